@@ -1,0 +1,324 @@
+"""``GRPOModule``: the policy, the frozen reference model and the GRPO update, as a ``LightningModule``.
+
+The rollout round itself (generate → score → advantages → log-probs) lives in ``rollout/round.py`` and is run by
+the DataModule at each epoch start; this module provides the pieces it calls (``generate``, ``score``,
+``rollout_logprobs``) and the update (``training_step`` → ``grpo_lightning.loss.grpo_loss``).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict
+from typing import Any, Literal
+
+import torch
+from lightning import LightningModule
+from torch import Tensor
+from torchmetrics import MeanMetric
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from grpo_lightning import rewards as reward_registry
+from grpo_lightning.config import ConfigError, ObjectiveConfig, SamplingConfig
+from grpo_lightning.loss import grpo_loss
+from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
+from grpo_lightning.rewards import RewardSpec
+from grpo_lightning.rollout.generation import Completions, completion_logprobs, sample_completions
+
+_LOSS_OPTIONS = ("epsilon_low", "epsilon_high", "delta", "beta", "kl_estimator", "importance_sampling_level")
+
+
+class GRPOModule(LightningModule):
+    """Group Relative Policy Optimization of a causal language model."""
+
+    def __init__(
+        self,
+        model_name_or_path: str | None = None,
+        tiny_model: TinyModelConfig | None = None,
+        rewards: list[RewardSpec] | None = None,
+        accuracy_reward: str | None = None,
+        reward_on_error: Literal["raise", "zero"] = "raise",
+        reward_timeout_s: float | None = None,
+        sampling: SamplingConfig | None = None,
+        objective: ObjectiveConfig | None = None,
+        use_chat_template: bool = False,
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        logprob_batch_size: int = 64,
+        log_entropy: bool = True,
+        seed: int = 0,
+    ) -> None:
+        """
+        Args:
+            model_name_or_path: a Hugging Face causal LM (Hub name or local folder). When unset, a tiny Llama is
+                built from ``tiny_model`` with the built-in character tokenizer.
+            tiny_model: size of the built-in tiny Llama.
+            rewards: reward terms (registered name or import path, weight, kwargs); default ``exact_answer``.
+            accuracy_reward: the reward whose value ≥ 1 counts as correct for ``val/accuracy`` (default: the first).
+            reward_on_error: ``raise`` stops the run when a reward function fails; ``zero`` scores 0 instead.
+            reward_timeout_s: time limit per reward-function call (a hanging function is reported by name).
+            sampling: rollout sampling settings (group size G, lengths, temperature, top-p, top-k).
+            objective: loss and advantage settings (β, clipping, loss aggregation, μ, ...).
+            use_chat_template: wrap each prompt in the tokenizer's chat template as a user message.
+            lr: AdamW learning rate.
+            weight_decay: AdamW weight decay.
+            warmup_steps: linear learning-rate warm-up, in optimizer steps.
+            logprob_batch_size: rows per forward pass when computing old/reference log-probs at rollout time.
+            log_entropy: compute and log the policy's per-token entropy (needed when ``entropy_coef`` ≠ 0).
+            seed: seed of the sampling generator (offset by the rank under data parallelism).
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        self.sampling = sampling or SamplingConfig()
+        self.objective = objective or ObjectiveConfig()
+        self.tiny_model = tiny_model or TinyModelConfig()
+        self.reward_specs = rewards or [RewardSpec("exact_answer")]
+        # Resolve reward functions now: an unknown name or a failing import is reported before any model loads.
+        self.reward_fns = [spec.build() for spec in self.reward_specs]
+        names = [spec.name for spec in self.reward_specs]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"model.rewards lists a reward twice: {names}")
+        self.accuracy_reward = accuracy_reward or names[0]
+        if self.accuracy_reward not in names:
+            raise ConfigError(f"model.accuracy_reward {accuracy_reward!r} is not one of model.rewards: {names}")
+        self.tokenizer = self._load_tokenizer()
+        self.policy: PreTrainedModel | None = None
+        self.ref: PreTrainedModel | None = None
+        self.generator: torch.Generator | None = None
+        self._generator_state: Tensor | None = None
+        self.val_accuracy, self.val_reward, self.val_length = MeanMetric(), MeanMetric(), MeanMetric()
+
+    # ----------------------------------------------------------------------------------------- models
+    def _load_tokenizer(self) -> PreTrainedTokenizerBase:
+        if self.hparams.model_name_or_path is None:
+            return build_char_tokenizer()
+        tokenizer = AutoTokenizer.from_pretrained(self.hparams.model_name_or_path)
+        tokenizer.padding_side = "left"  # generation appends to the right end of every prompt
+        if tokenizer.pad_token is None:
+            if tokenizer.eos_token is None:
+                raise ConfigError(f"the tokenizer of {self.hparams.model_name_or_path!r} has neither pad nor eos token")
+            tokenizer.pad_token = tokenizer.eos_token  # safe: padding is masked out everywhere
+        if tokenizer.eos_token_id is None:
+            raise ConfigError(f"the tokenizer of {self.hparams.model_name_or_path!r} has no eos token")
+        return tokenizer
+
+    def configure_model(self) -> None:
+        """Build the policy and, when β > 0, its frozen copy as the reference model."""
+        if self.policy is not None:
+            return
+        if self.hparams.model_name_or_path is None:
+            self.policy = build_tiny_llama(self.tiny_model, self.tokenizer)
+        else:
+            self.policy = AutoModelForCausalLM.from_pretrained(self.hparams.model_name_or_path, dtype=torch.float32)
+        self.policy.generation_config.pad_token_id = self.tokenizer.pad_token_id
+        self.policy.train()  # from_pretrained returns eval mode; the update runs in train mode
+        if self.objective.beta > 0:
+            self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
+
+    # -------------------------------------------------------------------- the pieces of a rollout round
+    def _sampling_generator(self, device: torch.device) -> torch.Generator:
+        if self.generator is None or self.generator.device != device:
+            self.generator = torch.Generator(device=device).manual_seed(self.hparams.seed + self.global_rank)
+            if self._generator_state is not None:
+                self.generator.set_state(self._generator_state)
+                self._generator_state = None
+        return self.generator
+
+    def encode_prompts(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
+        if self.hparams.use_chat_template:
+            prompts = [
+                self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+                )
+                for p in prompts
+            ]
+        encoded = self.tokenizer(
+            prompts, padding=True, return_tensors="pt", add_special_tokens=not self.hparams.use_chat_template
+        )
+        return encoded["input_ids"].to(self.device), encoded["attention_mask"].to(self.device)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], *, greedy: bool = False) -> Completions:
+        """Sample G completions per prompt (one, greedily, when ``greedy``), ``generation_batch_size`` at a time."""
+        s = self.sampling
+        group_size = 1 if greedy else s.group_size
+        prompts_per_chunk = max(1, s.generation_batch_size // group_size)
+        was_training = self.policy.training
+        self.policy.eval()  # dropout off while sampling; restored below for the update
+        try:
+            chunks = []
+            for start in range(0, len(prompts), prompts_per_chunk):
+                prompt_ids, prompt_mask = self.encode_prompts(prompts[start : start + prompts_per_chunk])
+                chunks.append(
+                    sample_completions(
+                        self.policy,
+                        prompt_ids,
+                        prompt_mask,
+                        group_size=group_size,
+                        max_new_tokens=s.max_new_tokens,
+                        min_new_tokens=0 if greedy else s.min_new_tokens,
+                        eos_token_id=self.tokenizer.eos_token_id,
+                        pad_token_id=self.tokenizer.pad_token_id,
+                        temperature=s.temperature,
+                        top_k=s.top_k,
+                        top_p=s.top_p,
+                        greedy=greedy,
+                        generator=self._sampling_generator(prompt_ids.device),
+                    )
+                )
+        finally:
+            self.policy.train(was_training)
+        return concat_completions(chunks, self.tokenizer.pad_token_id)
+
+    def decode(self, completion_ids: Tensor, completion_mask: Tensor) -> list[str]:
+        ids = completion_ids.masked_fill(completion_mask == 0, self.tokenizer.pad_token_id)
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+    def score(
+        self, prompts: list[str], completions: list[str], columns: dict[str, list[Any]]
+    ) -> tuple[list[float], dict[str, list[float | None]]]:
+        """Weighted total reward per completion, and each reward function's values."""
+        return reward_registry.score(
+            self.reward_specs,
+            self.reward_fns,
+            prompts,
+            completions,
+            columns,
+            on_error=self.hparams.reward_on_error,
+            timeout_s=self.hparams.reward_timeout_s,
+        )
+
+    @torch.no_grad()
+    def rollout_logprobs(self, completions: Completions) -> tuple[Tensor | None, Tensor | None]:
+        """Old-policy log-probs (only when μ > 1) and reference log-probs (only when β > 0)."""
+        args = (
+            completions.prompt_ids,
+            completions.prompt_mask,
+            completions.completion_ids,
+            completions.completion_mask,
+        )
+        kwargs = {"temperature": self.sampling.temperature, "micro_batch_size": self.hparams.logprob_batch_size}
+        old = ref = None
+        if self.objective.num_iterations > 1:
+            was_training = self.policy.training
+            self.policy.eval()
+            old = completion_logprobs(self.policy, *args, **kwargs)[0]
+            self.policy.train(was_training)
+        if self.ref is not None:
+            ref = completion_logprobs(self.ref, *args, **kwargs)[0]
+        return old, ref
+
+    # ------------------------------------------------------------------------------------------ update
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        objective = self.objective
+        with_entropy = self.hparams.log_entropy or objective.entropy_coef != 0
+        logprobs, entropy = completion_logprobs(
+            self.policy,
+            batch["prompt_ids"],
+            batch["prompt_mask"],
+            batch["completion_ids"],
+            batch["completion_mask"],
+            temperature=self.sampling.temperature,
+            with_entropy=with_entropy,
+        )
+        loss, metrics = grpo_loss(
+            logprobs,
+            batch.get("old_logprobs"),
+            batch.get("ref_logprobs"),
+            batch["advantages"],
+            batch["completion_mask"],
+            loss_type=objective.loss_type,
+            max_completion_length=self.sampling.max_new_tokens,
+            num_items=batch["num_items"],
+            entropy=entropy.detach() if entropy is not None and objective.entropy_coef == 0 else entropy,
+            entropy_coef=objective.entropy_coef,
+            **{name: getattr(objective, name) for name in _LOSS_OPTIONS},
+        )
+        self.log("train/loss", loss.detach(), prog_bar=False)
+        self.log_dict({f"train/{name}": value for name, value in metrics.items()})
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        if batch_idx == 0:
+            self._log_rollout_metrics()
+        if objective.loss_type == "dapo":
+            # num_items already counts the tokens of the whole mini-batch on every rank; undo the averaging
+            # that gradient accumulation and DDP apply on top, so the step sees sum(token losses) / num_items.
+            loss = loss * self.trainer.accumulate_grad_batches * self.trainer.world_size
+        return loss
+
+    def _log_rollout_metrics(self) -> None:
+        rollout = getattr(self.trainer.datamodule, "last_rollout", None)
+        if rollout is None:
+            return
+        metrics = {k: v for k, v in rollout.metrics.items() if v == v}  # NaN = no applicable value this round
+        self.log_dict(metrics, on_step=True, on_epoch=False)
+        self.log("reward", rollout.metrics["rollout/reward_mean"], prog_bar=True, on_step=True, on_epoch=False)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        warmup = self.hparams.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # -------------------------------------------------------------------------------------- evaluation
+    def validation_step(self, batch: dict[str, list[Any]], batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: dict[str, list[Any]], batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def _evaluate(self, batch: dict[str, list[Any]], stage: str) -> None:
+        """Greedy completions of held-out prompts: accuracy, mean reward, mean length."""
+        completions = self.generate(batch["prompt"], greedy=True)
+        texts = self.decode(completions.completion_ids, completions.completion_mask)
+        columns = {name: values for name, values in batch.items() if name != "prompt"}
+        columns["completion_lengths"] = completions.completion_mask.sum(-1).tolist()
+        total, per_function = self.score(batch["prompt"], texts, columns)
+        correct = [float(v is not None and v >= 1.0) for v in per_function[self.accuracy_reward]]
+        self.val_accuracy.update(torch.tensor(correct, device=self.device))
+        self.val_reward.update(torch.tensor(total, device=self.device))
+        self.val_length.update(completions.completion_mask.sum(-1).float())
+        log = {"on_step": False, "on_epoch": True, "batch_size": len(texts)}
+        self.log(f"{stage}/accuracy", self.val_accuracy, prog_bar=True, **log)
+        self.log(f"{stage}/reward_mean", self.val_reward, **log)
+        self.log(f"{stage}/completion_length_mean", self.val_length, **log)
+
+    # ------------------------------------------------------------------------------------- checkpoints
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.generator is not None:
+            checkpoint["sampling_generator"] = self.generator.get_state()
+        # The reference model never changes (unless synced): re-created from the policy's source on load,
+        # so checkpoints stay the size of one model.
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("ref.")}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._generator_state = checkpoint.get("sampling_generator")
+        self.generator = None
+        if self.ref is not None:
+            state = checkpoint["state_dict"]
+            for key, value in self.ref.state_dict().items():
+                state.setdefault(f"ref.{key}", value)
+
+    def objective_summary(self) -> dict[str, Any]:
+        """The sampling and objective settings as one flat dict (for logs and reports)."""
+        return {**asdict(self.sampling), **asdict(self.objective)}
+
+
+def concat_completions(chunks: list[Completions], pad_token_id: int) -> Completions:
+    """Join chunks of completions, padding prompts on the left and completions on the right."""
+    if len(chunks) == 1:
+        return chunks[0]
+    prompt_len = max(c.prompt_ids.size(1) for c in chunks)
+    completion_len = max(c.completion_ids.size(1) for c in chunks)
+
+    def pad(t: Tensor, length: int, value: int, left: bool) -> Tensor:
+        extra = length - t.size(1)
+        return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra), value=value)
+
+    return Completions(
+        prompt_ids=torch.cat([pad(c.prompt_ids, prompt_len, pad_token_id, True) for c in chunks]),
+        prompt_mask=torch.cat([pad(c.prompt_mask, prompt_len, 0, True) for c in chunks]),
+        completion_ids=torch.cat([pad(c.completion_ids, completion_len, pad_token_id, False) for c in chunks]),
+        completion_mask=torch.cat([pad(c.completion_mask, completion_len, 0, False) for c in chunks]),
+        truncated=torch.cat([c.truncated for c in chunks]),
+    )

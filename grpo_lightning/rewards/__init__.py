@@ -1,0 +1,67 @@
+"""Reward functions: a registry by name, plus the scoring that combines them.
+
+The contract every reward function follows::
+
+    fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]
+
+``columns`` are the dataset's other columns for the same rows (e.g. ``answer``), one value per completion.
+``None`` means "not applicable to this row" (multi-task data). A function may declare the dataset columns it
+needs in a ``required_columns`` attribute; the DataModule checks them before training starts.
+
+Register a function with ``@register("name")``; YAML refers to it by that name or by an import path
+(``my_pkg.rewards.fn``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from grpo_lightning.rewards.combine import RewardError, RewardSpec, check_required_columns, score
+
+RewardFn = Callable[..., list]
+
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+def register(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: make ``fn`` available to configs as ``name``."""
+
+    def decorator(fn: RewardFn) -> RewardFn:
+        if name in _REGISTRY and _REGISTRY[name] is not fn:
+            raise ValueError(f"a reward function is already registered as {name!r}")
+        _REGISTRY[name] = fn
+        return fn
+
+    return decorator
+
+
+def available() -> list[str]:
+    """Names of the registered reward functions."""
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def get(name: str) -> RewardFn:
+    """The reward function registered as ``name``, or importable as ``package.module.function``."""
+    _load_builtins()
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if "." in name:
+        module_name, _, attr = name.rpartition(".")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise RewardError(f"reward {name!r} cannot be imported: {err}") from None
+        if not callable(fn):
+            raise RewardError(f"reward {name!r} is not callable")
+        return fn
+    raise RewardError(f"unknown reward {name!r}: use one of {', '.join(sorted(_REGISTRY))} or an import path")
+
+
+def _load_builtins() -> None:
+    # Imported lazily so that ``grpo_lightning.rewards`` stays importable without the optional pieces.
+    importlib.import_module("grpo_lightning.rewards.builtin")
+
+
+__all__ = ["RewardError", "RewardSpec", "available", "check_required_columns", "get", "register", "score"]

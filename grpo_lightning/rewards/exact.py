@@ -1,0 +1,14 @@
+"""Exact-answer reward: the completion, stripped, equals the reference answer."""
+
+from __future__ import annotations
+
+from grpo_lightning.rewards import register
+
+
+@register("exact_answer")
+def exact_answer(prompts: list[str], completions: list[str], answer: list, **_: object) -> list[float]:
+    """1.0 when the completion (surrounding whitespace removed) equals ``answer`` exactly, else 0.0."""
+    return [float(completion.strip() == str(ref).strip()) for completion, ref in zip(completions, answer)]
+
+
+exact_answer.required_columns = ("answer",)

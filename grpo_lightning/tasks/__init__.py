@@ -1,0 +1,54 @@
+"""Built-in tasks: datasets made locally, with no download, each a ``DatasetDict`` with ``train`` and ``test`` splits.
+
+Every task has a ``prompt`` column (the text the policy continues) and an ``answer`` column (the reference the
+reward functions check against); tasks may add more columns, which reach the reward functions as keyword
+arguments. Register a task with ``@register_task("name")``; the DataModule's ``dataset`` setting takes its name.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from datasets import DatasetDict
+
+TaskFactory = Callable[..., DatasetDict]
+
+_TASKS: dict[str, TaskFactory] = {}
+
+# Modules that register built-in tasks; imported on first use so that importing the package stays cheap.
+_BUILTIN_MODULES = ("arithmetic", "countdown", "gsm8k", "math")
+
+
+def register_task(name: str) -> Callable[[TaskFactory], TaskFactory]:
+    """Decorator: make a ``DatasetDict`` factory available as ``dataset: name`` in YAML."""
+
+    def decorator(factory: TaskFactory) -> TaskFactory:
+        _TASKS[name] = factory
+        return factory
+
+    return decorator
+
+
+def _load_builtins() -> None:
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(f"grpo_lightning.tasks.{module}")
+
+
+def available_tasks() -> list[str]:
+    """Names of the built-in tasks."""
+    _load_builtins()
+    return sorted(_TASKS)
+
+
+def is_task(name: str) -> bool:
+    _load_builtins()
+    return name in _TASKS
+
+
+def load_task(name: str, **kwargs: object) -> DatasetDict:
+    """Build the built-in task ``name`` (keyword arguments are the task's own options)."""
+    _load_builtins()
+    if name not in _TASKS:
+        raise KeyError(f"unknown task {name!r}; built-in tasks: {', '.join(sorted(_TASKS))}")
+    return _TASKS[name](**kwargs)

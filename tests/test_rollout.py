@@ -1,0 +1,119 @@
+"""The rollout round inside Lightning: one rollout → μ × mini-batches optimizer steps, exact prompt count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY
+from lightning import Callback, Trainer
+
+from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
+from grpo_lightning.cli import TRAINER_DEFAULTS
+from grpo_lightning.config import ConfigError
+from grpo_lightning.rewards import RewardSpec, register
+
+
+@register("test_length")
+def length_reward(prompts, completions, **_):
+    """Rewards with spread even for a random model: the completion's length."""
+    return [float(len(c)) for c in completions]
+
+
+class Recorder(Callback):
+    def __init__(self):
+        self.steps_per_epoch, self.positions, self.batch_rows = [], [], []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.batch_rows.append(batch["completion_ids"].shape[0])
+
+    def on_train_epoch_end(self, trainer, module):
+        self.steps_per_epoch.append(trainer.global_step)
+        self.positions.append(trainer.datamodule.position)
+
+
+def make(tmp_path, *, mu=1, beta=0.04, prompts=4, group=4, mini=None, micro=None, accumulate=1, epochs=2):
+    module = GRPOModule(
+        tiny_model=TINY,
+        rewards=[RewardSpec("test_length")],
+        sampling=SamplingConfig(group_size=group, max_new_tokens=4),
+        objective=ObjectiveConfig(beta=beta, num_iterations=mu),
+        lr=1e-3,
+    )
+    data = RolloutDataModule(
+        prompts_per_round=prompts,
+        mini_batch_size=mini,
+        micro_batch_size=micro,
+        val_limit=8,
+        task_kwargs={"test_size": 50},
+    )
+    recorder = Recorder()
+    trainer = Trainer(
+        **TRAINER_DEFAULTS,
+        max_epochs=epochs,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
+        limit_val_batches=0,
+        accumulate_grad_batches=accumulate,
+        default_root_dir=tmp_path,
+    )
+    return module, data, trainer, recorder
+
+
+@pytest.mark.parametrize("mu,mini,micro,accumulate", [(1, None, None, 1), (2, 8, None, 1), (2, 8, 4, 2), (1, 4, 2, 2)])
+def test_optimizer_steps_per_round(tmp_path, mu, mini, micro, accumulate):
+    module, data, trainer, rec = make(tmp_path, mu=mu, mini=mini, micro=micro, accumulate=accumulate)
+    trainer.fit(module, datamodule=data)
+    rollout = 4 * 4
+    steps_per_round = mu * rollout // (mini or rollout)
+    assert rec.steps_per_epoch == [steps_per_round, 2 * steps_per_round]
+    assert set(rec.batch_rows) == {micro or mini or rollout}
+    assert rec.positions == [4, 8]  # exactly prompts_per_round consumed per round
+
+
+def test_old_logprobs_only_when_mu_above_one_and_ref_only_when_beta(tmp_path):
+    module, data, trainer, _ = make(tmp_path, mu=1, beta=0.0, epochs=1)
+    trainer.fit(module, datamodule=data)
+    assert module.ref is None
+    assert data.last_rollout.old_logprobs is None and data.last_rollout.ref_logprobs is None
+    module, data, trainer, _ = make(tmp_path, mu=2, beta=0.1, epochs=1)
+    trainer.fit(module, datamodule=data)
+    assert module.ref is not None and not any(p.requires_grad for p in module.ref.parameters())
+    assert data.last_rollout.old_logprobs is not None and data.last_rollout.ref_logprobs is not None
+
+
+def test_training_changes_policy_but_not_reference(tmp_path):
+    module, data, trainer, _ = make(tmp_path, beta=0.1, epochs=2)
+    module.configure_model()
+    before = {k: v.clone() for k, v in module.policy.state_dict().items()}
+    ref_before = {k: v.clone() for k, v in module.ref.state_dict().items()}
+    trainer.fit(module, datamodule=data)
+    assert any(not torch.equal(before[k], v) for k, v in module.policy.state_dict().items())
+    assert all(torch.equal(ref_before[k], v) for k, v in module.ref.state_dict().items())
+
+
+def test_prompt_stream_is_a_seeded_permutation_without_repeats(tmp_path):
+    module, data, trainer, _ = make(tmp_path, epochs=1)
+    data.trainer = trainer
+    trainer.strategy.connect(module)
+    data.setup("fit")
+    seen = []
+    size = len(data.train_data)
+    while data.position < size:
+        seen += data.next_prompts()["prompt"]
+    seen = seen[:size]
+    assert len(set(seen)) == size  # every training prompt exactly once per pass
+    held_out = set(data.val_data["prompt"]) if data.val_data is not None else set()
+    assert not held_out & set(seen)
+
+
+def test_batch_sizes_that_do_not_divide_are_refused(tmp_path):
+    module, data, trainer, _ = make(tmp_path, mini=6)
+    with pytest.raises(ConfigError, match="mini_batch_size"):
+        trainer.fit(module, datamodule=data)
+    module, data, trainer, _ = make(tmp_path, mini=8, micro=4, accumulate=1)
+    with pytest.raises(ConfigError, match="accumulate_grad_batches"):
+        trainer.fit(module, datamodule=data)
