@@ -29,6 +29,9 @@ class GRPOCLI(LightningCLI):
     """``LightningCLI`` with GRPO's Trainer defaults."""
 
     def __init__(self, *args, **kwargs) -> None:
+        if not args and "model_class" not in kwargs:
+            args = (GRPOModule, RolloutDataModule)
+        kwargs.setdefault("seed_everything_default", 0)
         kwargs.setdefault("trainer_defaults", TRAINER_DEFAULTS)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         super().__init__(*args, **kwargs)
@@ -59,7 +62,7 @@ def main(args: list[str] | None = None) -> None:
     Set ``GRPO_DEBUG=1`` to see the full traceback instead.
     """
     try:
-        GRPOCLI(GRPOModule, RolloutDataModule, args=args, seed_everything_default=0)
+        GRPOCLI(args=args)
     except Exception as err:
         cause = user_error(err)
         if cause is None or os.environ.get("GRPO_DEBUG"):

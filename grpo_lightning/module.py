@@ -22,7 +22,10 @@ from grpo_lightning.config import ConfigError, ObjectiveConfig, SamplingConfig
 from grpo_lightning.loss import grpo_loss
 from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
 from grpo_lightning.rewards import RewardSpec
+from grpo_lightning.rewards.combine import is_process_reward, score_steps, step_separator
+from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.rollout.generation import Completions, completion_logprobs, sample_completions
+from grpo_lightning.rollout.steps import step_token_ends
 
 _LOSS_OPTIONS = ("epsilon_low", "epsilon_high", "delta", "beta", "kl_estimator", "importance_sampling_level")
 
@@ -74,17 +77,25 @@ class GRPOModule(LightningModule):
         self.tiny_model = tiny_model or TinyModelConfig()
         self.reward_specs = rewards or [RewardSpec("exact_answer")]
         # Resolve reward functions now: an unknown name or a failing import is reported before any model loads.
-        self.reward_fns = [spec.build() for spec in self.reward_specs]
-        names = [spec.name for spec in self.reward_specs]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"model.rewards lists a reward twice: {names}")
-        self.accuracy_reward = accuracy_reward or names[0]
-        if self.accuracy_reward not in names:
-            raise ConfigError(f"model.accuracy_reward {accuracy_reward!r} is not one of model.rewards: {names}")
+        fns = [spec.build() for spec in self.reward_specs]
+        self.outcome_rewards = [(s, f) for s, f in zip(self.reward_specs, fns) if not is_process_reward(f)]
+        self.process_rewards = [(s, f) for s, f in zip(self.reward_specs, fns) if is_process_reward(f)]
+        if len({step_separator(f) for _, f in self.process_rewards}) > 1:
+            raise ConfigError("model.rewards: all process rewards must split steps with the same step_separator")
+        names = [spec.name for spec, _ in self.outcome_rewards]
+        all_names = [spec.name for spec in self.reward_specs]
+        if len(set(all_names)) != len(all_names):
+            raise ConfigError(f"model.rewards lists a reward twice: {all_names}")
+        self.accuracy_reward = accuracy_reward or (names[0] if names else None)
+        if self.accuracy_reward is not None and self.accuracy_reward not in names:
+            raise ConfigError(
+                f"model.accuracy_reward {accuracy_reward!r} is not an outcome reward of model.rewards: {names}"
+            )
         self.tokenizer = self._load_tokenizer()
         self.policy: PreTrainedModel | None = None
         self.ref: PreTrainedModel | None = None
         self.generator: torch.Generator | None = None
+        self.ref_changes = False  # set by ReferenceSync: π_ref then has to be saved in checkpoints
         self._generator_state: Tensor | None = None
         self.val_accuracy, self.val_reward, self.val_length = MeanMetric(), MeanMetric(), MeanMetric()
 
@@ -177,10 +188,10 @@ class GRPOModule(LightningModule):
     def score(
         self, prompts: list[str], completions: list[str], columns: dict[str, list[Any]]
     ) -> tuple[list[float], dict[str, list[float | None]]]:
-        """Weighted total reward per completion, and each reward function's values."""
+        """Weighted total of the outcome rewards per completion, and each outcome reward function's values."""
         return reward_registry.score(
-            self.reward_specs,
-            self.reward_fns,
+            [spec for spec, _ in self.outcome_rewards],
+            [fn for _, fn in self.outcome_rewards],
             prompts,
             completions,
             columns,
@@ -188,8 +199,27 @@ class GRPOModule(LightningModule):
             timeout_s=self.hparams.reward_timeout_s,
         )
 
+    def score_steps(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        columns: dict[str, list[Any]],
+        completion_ids: Tensor,
+        completion_mask: Tensor,
+    ) -> tuple[Tensor, Tensor] | None:
+        """Process rewards, if any are configured: ``[N, S]`` step rewards (NaN pads) and step end positions."""
+        if not self.process_rewards:
+            return None
+        specs, fns = zip(*self.process_rewards)
+        steps = score_steps(specs, fns, prompts, completions, columns)
+        ends = step_token_ends(completions, completion_ids, completion_mask, self.tokenizer, step_separator(fns[0]))
+        rewards = torch.full(ends.shape, float("nan"))
+        for row, values in enumerate(steps):
+            rewards[row, : len(values)] = torch.tensor(values)
+        return rewards.to(completion_ids.device), ends.to(completion_ids.device)
+
     @torch.no_grad()
-    def rollout_logprobs(self, completions: Completions) -> tuple[Tensor | None, Tensor | None]:
+    def rollout_logprobs(self, completions: Completions | RolloutBatch) -> tuple[Tensor | None, Tensor | None]:
         """Old-policy log-probs (only when μ > 1) and reference log-probs (only when β > 0)."""
         args = (
             completions.prompt_ids,
@@ -226,7 +256,7 @@ class GRPOModule(LightningModule):
             batch.get("old_logprobs"),
             batch.get("ref_logprobs"),
             batch["advantages"],
-            batch["completion_mask"],
+            batch["loss_mask"],
             loss_type=objective.loss_type,
             max_completion_length=self.sampling.max_new_tokens,
             num_items=batch["num_items"],
@@ -287,9 +317,10 @@ class GRPOModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.generator is not None:
             checkpoint["sampling_generator"] = self.generator.get_state()
-        # The reference model never changes (unless synced): re-created from the policy's source on load,
-        # so checkpoints stay the size of one model.
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("ref.")}
+        # Unless ReferenceSync moves it, the reference is the starting model, re-created on load: checkpoints then
+        # stay the size of one model.
+        if not self.ref_changes:
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("ref.")}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._generator_state = checkpoint.get("sampling_generator")

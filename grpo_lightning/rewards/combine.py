@@ -237,3 +237,48 @@ def score(
             if value is not None:
                 total[i] += spec.weight * value
     return total, per_function
+
+
+def is_process_reward(fn: Callable[..., Any]) -> bool:
+    """A process reward scores each step of a completion (``fn.process = True``) instead of the whole of it."""
+    base = fn.func if isinstance(fn, functools.partial) else fn
+    return bool(getattr(base, "process", False))
+
+
+def step_separator(fn: Callable[..., Any]) -> str:
+    """The text that separates steps for a process reward (``fn.step_separator``, default a newline)."""
+    base = fn.func if isinstance(fn, functools.partial) else fn
+    return getattr(base, "step_separator", "\n")
+
+
+def score_steps(
+    specs: Sequence[RewardSpec],
+    fns: Sequence[Callable[..., list]],
+    prompts: list[str],
+    completions: list[str],
+    columns: dict[str, list[Any]],
+) -> list[list[float]]:
+    """Weighted sum of the process rewards: for each completion, one reward per step.
+
+    The steps of a completion are ``completion.split(separator)``; each process reward function returns, for
+    every completion, a list with one number per step (DeepSeekMath §4.1.3 process supervision).
+    """
+    totals: list[list[float]] | None = None
+    for spec, fn in zip(specs, fns):
+        separator = step_separator(fn)
+        values = fn(prompts, completions, **columns)
+        if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+            raise RewardError(f"process reward {spec.name!r} must return one list of step rewards per completion")
+        for i, steps in enumerate(values):
+            expected = len(completions[i].split(separator))
+            if not isinstance(steps, (list, tuple)) or len(steps) != expected:
+                raise RewardError(
+                    f"process reward {spec.name!r} returned {steps!r} for completion {i} ({completions[i][:80]!r}), "
+                    f"which has {expected} steps separated by {separator!r}"
+                )
+            for value in steps:
+                if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                    raise RewardError(f"process reward {spec.name!r} returned a non-finite or non-number step reward")
+        weighted = [[spec.weight * float(v) for v in steps] for steps in values]
+        totals = weighted if totals is None else [[a + b for a, b in zip(t, w)] for t, w in zip(totals, weighted)]
+    return totals or []

@@ -3,42 +3,84 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
 @dataclass
 class RolloutBatch:
-    """The tensors of one rollout round (N = prompts × G rows) and the texts behind them."""
+    """The tensors of one rollout round (N = prompts × G rows, groups adjacent) and the texts behind them."""
 
-    prompt_ids: Tensor  # [N, P]
+    prompt_ids: Tensor  # [N, P] left-padded
     prompt_mask: Tensor  # [N, P]
-    completion_ids: Tensor  # [N, T]
-    completion_mask: Tensor  # [N, T] tokens that count in the loss
-    advantages: Tensor  # [N] (or [N, T] for process rewards)
-    rewards: Tensor  # [N]
+    completion_ids: Tensor  # [N, T] right-padded
+    completion_mask: Tensor  # [N, T] generated tokens (up to and including EOS)
+    truncated: Tensor  # [N] bool: hit the length limit
+    rewards: Tensor  # [N] weighted total reward
+    loss_mask: Tensor | None = None  # [N, T] tokens that count in the loss (default: completion_mask)
+    advantages: Tensor | None = None  # [N] (or [N, T] for process rewards)
     old_logprobs: Tensor | None = None  # [N, T], only when μ > 1
     ref_logprobs: Tensor | None = None  # [N, T], only when β > 0
-    prompts: list[str] = field(default_factory=list)  # [N] texts, for logging
+    prompts: list[str] = field(default_factory=list)  # [N] texts, for logging and reward functions
     completions: list[str] = field(default_factory=list)
     reward_columns: dict[str, list[float | None]] = field(default_factory=dict)
+    step_rewards: Tensor | None = None  # [N, S] process rewards per step (NaN = no such step)
+    step_ends: Tensor | None = None  # [N, S] token index where each step ends
     metrics: dict[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.completion_ids.size(0)
 
+    def select(self, rows: Tensor) -> RolloutBatch:
+        """The rows ``rows`` (a 1-D index tensor) of every per-row field."""
+        index = rows.tolist()
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor):
+                out[f.name] = value[rows.to(value.device)]
+            elif isinstance(value, list):
+                out[f.name] = [value[i] for i in index]
+            elif f.name == "reward_columns":
+                out[f.name] = {name: [values[i] for i in index] for name, values in value.items()}
+            else:
+                out[f.name] = value
+        return RolloutBatch(**out)
+
+    @staticmethod
+    def concat(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
+        """Rows of ``batches`` one after the other; prompts padded on the left, completions on the right."""
+        if len(batches) == 1:
+            return batches[0]
+        out = {}
+        for f in fields(RolloutBatch):
+            values = [getattr(b, f.name) for b in batches]
+            if isinstance(values[0], Tensor):
+                out[f.name] = _cat_padded(values, f.name, pad_token_id)
+            elif isinstance(values[0], list):
+                out[f.name] = [item for value in values for item in value]
+            elif f.name == "reward_columns":
+                out[f.name] = {name: [v for b in values for v in b[name]] for name in values[0]}
+            else:
+                out[f.name] = values[0]
+        return RolloutBatch(**out)
+
     def tensors(self, rows: Tensor) -> dict[str, Tensor]:
         """The loss inputs of ``rows``, trimmed to their longest completion."""
         mask = self.completion_mask[rows]
         keep = int(mask.sum(0).nonzero().max()) + 1 if bool(mask.any()) else 1
+        loss_mask = self.completion_mask if self.loss_mask is None else self.loss_mask
+        advantages = self.advantages[rows]
         batch = {
             "prompt_ids": self.prompt_ids[rows],
             "prompt_mask": self.prompt_mask[rows],
             "completion_ids": self.completion_ids[rows, :keep],
             "completion_mask": mask[:, :keep],
-            "advantages": self.advantages[rows] if self.advantages.dim() == 1 else self.advantages[rows, :keep],
+            "loss_mask": loss_mask[rows, :keep],
+            "advantages": advantages if advantages.dim() == 1 else advantages[:, :keep],
         }
         if self.old_logprobs is not None:
             batch["old_logprobs"] = self.old_logprobs[rows, :keep]
@@ -57,23 +99,34 @@ class RolloutBatch:
     ) -> list[dict[str, Tensor]]:
         """μ shuffled passes over the rollout, cut into mini-batches (one optimizer step each) of micro-batches.
 
-        Each micro-batch carries ``num_items``: the completion tokens of its whole mini-batch, summed over
-        ranks by ``sum_across_ranks`` under data parallelism, so a token-level loss (``dapo``) is the same
-        whatever the micro-batch size or the number of ranks.
+        Each micro-batch carries ``num_items``: the loss tokens of its whole mini-batch, summed over ranks by
+        ``sum_across_ranks`` under data parallelism, so a token-level loss (``dapo``) is the same whatever the
+        micro-batch size or the number of ranks.
         """
         n = len(self)
+        loss_mask = self.completion_mask if self.loss_mask is None else self.loss_mask
         minis = [
             order[start : start + mini_batch_size]
             for order in (torch.randperm(n, generator=generator) for _ in range(num_iterations))
             for start in range(0, n, mini_batch_size)
         ]
-        tokens = torch.stack([self.completion_mask[mini].sum() for mini in minis]).float()
+        tokens = torch.stack([loss_mask[mini.to(loss_mask.device)].sum() for mini in minis]).float()
         if sum_across_ranks is not None:
             tokens = sum_across_ranks(tokens)
         out = []
         for mini, num_items in zip(minis, tokens.cpu()):
             for start in range(0, len(mini), micro_batch_size):
-                batch = self.tensors(mini[start : start + micro_batch_size])
+                batch = self.tensors(mini[start : start + micro_batch_size].to(loss_mask.device))
                 batch["num_items"] = num_items
                 out.append(batch)
         return out
+
+
+def _cat_padded(tensors: list[Tensor], name: str, pad_token_id: int) -> Tensor:
+    if tensors[0].dim() < 2:
+        return torch.cat(tensors)
+    width = max(t.size(1) for t in tensors)
+    left = name.startswith("prompt")  # prompts are left-padded so that generation appends on the right
+    value = {"prompt_ids": pad_token_id, "completion_ids": pad_token_id, "step_rewards": float("nan")}.get(name, 0)
+    padded = [F.pad(t, (width - t.size(1), 0) if left else (0, width - t.size(1)), value=value) for t in tensors]
+    return torch.cat(padded)

@@ -78,6 +78,8 @@ class RolloutDataModule(LightningDataModule):
         micro_batch_size: int | None = None,
         val_batch_size: int = 128,
         val_limit: int | None = None,
+        dynamic_sampling: bool = False,
+        max_sampling_rounds: int = 4,
         seed: int = 0,
     ) -> None:
         """
@@ -95,6 +97,10 @@ class RolloutDataModule(LightningDataModule):
                 ``trainer.accumulate_grad_batches``.
             val_batch_size: prompts per validation batch.
             val_limit: evaluate on the first ``val_limit`` held-out prompts only.
+            dynamic_sampling: DAPO dynamic sampling: drop groups whose (outcome) rewards are all equal and draw
+                more prompts until the rollout is full of informative groups.
+            max_sampling_rounds: cap on generations per round with dynamic sampling (then the rollout is topped
+                up with uninformative groups, so its size never changes).
             seed: seed of the prompt order (one shuffle per pass over the dataset).
         """
         super().__init__()
@@ -105,6 +111,9 @@ class RolloutDataModule(LightningDataModule):
         self.prompt_column, self.prompts_per_round = prompt_column, prompts_per_round
         self.mini_batch_size, self.micro_batch_size = mini_batch_size, micro_batch_size
         self.val_batch_size, self.val_limit, self.seed = val_batch_size, val_limit, seed
+        if max_sampling_rounds < 1:
+            raise ConfigError(f"data.max_sampling_rounds must be >= 1 (got {max_sampling_rounds})")
+        self.dynamic_sampling, self.max_sampling_rounds = dynamic_sampling, max_sampling_rounds
         self.train_data: Dataset | None = None
         self.val_data: Dataset | None = None
         self.position = 0  # prompts consumed so far, over all ranks: the resumable place in the stream
@@ -184,7 +193,13 @@ class RolloutDataModule(LightningDataModule):
         sum_across_ranks = None
         if self.trainer.world_size > 1:
             sum_across_ranks = lambda t: module.all_gather(t).sum(0)  # noqa: E731
-        self.last_rollout = collect_rollout(module, self.next_prompts(), all_gather=module.all_gather)
+        self.last_rollout = collect_rollout(
+            module,
+            self.next_prompts,
+            dynamic_sampling=self.dynamic_sampling,
+            max_sampling_rounds=self.max_sampling_rounds,
+            all_gather=module.all_gather,
+        )
         rollout_size = len(self.last_rollout)
         mini = self.mini_batch_size or rollout_size
         batches = self.last_rollout.micro_batches(

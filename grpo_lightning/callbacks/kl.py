@@ -1,0 +1,103 @@
+"""KL control and reference-model sync: the two callbacks that change β or π_ref during a run.
+
+Both keep their state in checkpoints (``state_dict``), so a resumed run continues with the same β and π_ref.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning import Callback, LightningModule, Trainer
+
+from grpo_lightning.config import ConfigError
+
+
+def adaptive_beta(beta: float, kl: float, target: float, num_samples: int, horizon: int) -> float:
+    """One step of the adaptive KL controller (Ziegler et al. 2019, used by PPO-RLHF):
+
+    β ← β · (1 + clip(KL / target − 1, −0.2, 0.2) · n / horizon)
+    """
+    error = min(max(kl / target - 1.0, -0.2), 0.2)
+    return beta * (1.0 + error * num_samples / horizon)
+
+
+class KLController(Callback):
+    """Logs the round's KL to the reference model and, when ``target_kl`` is set, adapts β towards it.
+
+    The KL of a round is the mean of the ``train/kl`` values of its optimizer steps; ``n`` in the update is the
+    number of completions the round trained on.
+    """
+
+    def __init__(self, target_kl: float | None = None, horizon: int = 10_000) -> None:
+        if target_kl is not None and target_kl <= 0:
+            raise ConfigError(f"KLController.target_kl must be > 0 (got {target_kl})")
+        if horizon <= 0:
+            raise ConfigError(f"KLController.horizon must be > 0 (got {horizon})")
+        self.target_kl, self.horizon = target_kl, horizon
+        self.beta: float | None = None  # the controlled β, restored from checkpoints
+        self._kls: list[float] = []
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.target_kl is not None and pl_module.objective.beta <= 0:
+            raise ConfigError("KLController.target_kl needs model.objective.beta > 0 to start from (and a reference)")
+        if self.beta is not None:
+            pl_module.objective.beta = self.beta  # resumed: continue from the controlled value
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        kl = trainer.callback_metrics.get("train/kl")
+        if kl is not None:
+            self._kls.append(float(kl))
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._kls:
+            return
+        kl = sum(self._kls) / len(self._kls)
+        self._kls.clear()
+        pl_module.log("train/kl_round", kl)
+        if self.target_kl is not None:
+            rollout = getattr(trainer.datamodule, "last_rollout", None)
+            num_samples = len(rollout) * trainer.world_size if rollout is not None else 1
+            self.beta = adaptive_beta(pl_module.objective.beta, kl, self.target_kl, num_samples, self.horizon)
+            pl_module.objective.beta = self.beta
+        pl_module.log("train/beta", pl_module.objective.beta)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"beta": self.beta}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.beta = state_dict.get("beta")
+
+
+class ReferenceSync(Callback):
+    """Every ``sync_steps`` optimizer steps, π_ref ← α·π_θ + (1 − α)·π_ref (TR-DPO style reference updates).
+
+    The reference then differs from the starting weights, so the module keeps it in its checkpoints.
+    """
+
+    def __init__(self, sync_steps: int = 64, alpha: float = 0.6) -> None:
+        if sync_steps < 1:
+            raise ConfigError(f"ReferenceSync.sync_steps must be >= 1 (got {sync_steps})")
+        if not 0 < alpha <= 1:
+            raise ConfigError(f"ReferenceSync.alpha must be in (0, 1] (got {alpha})")
+        self.sync_steps, self.alpha = sync_steps, alpha
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if pl_module.ref is None:
+            raise ConfigError("ReferenceSync needs a reference model: set model.objective.beta > 0")
+        pl_module.ref_changes = True
+
+    @torch.no_grad()
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        # global_step counts optimizer steps; with gradient accumulation it repeats across micro-batches.
+        step = trainer.global_step
+        if step == 0 or step % self.sync_steps or getattr(self, "_last_synced", None) == step:
+            return
+        self._last_synced = step
+        for ref_param, param in zip(pl_module.ref.parameters(), pl_module.policy.parameters()):
+            ref_param.lerp_(param.detach().to(ref_param.dtype), self.alpha)
+        pl_module.log("train/ref_synced_at", float(step))
