@@ -8,6 +8,8 @@ the DataModule at each epoch start; this module provides the pieces it calls (``
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Any, Literal
 
@@ -19,13 +21,21 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from grpo_lightning import rewards as reward_registry
 from grpo_lightning.config import ConfigError, ObjectiveConfig, SamplingConfig
+from grpo_lightning.lora import LoraConfig, apply_lora, is_peft_model
 from grpo_lightning.loss import grpo_loss
+from grpo_lightning.metrics import MajorityAtK, PassAtK, check_eval_settings, resolve_answer_fn, sample_and_score
 from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
 from grpo_lightning.rewards import RewardSpec
 from grpo_lightning.rewards.combine import is_process_reward, score_steps, step_separator
 from grpo_lightning.rollout.batch import RolloutBatch
-from grpo_lightning.rollout.generation import Completions, completion_logprobs, sample_completions
+from grpo_lightning.rollout.generation import (
+    DEFAULT_LOGPROB_CHUNK,
+    Completions,
+    completion_logprobs,
+    sample_completions,
+)
 from grpo_lightning.rollout.steps import step_token_ends
+from grpo_lightning.strategies import broadcast_module, gathered, shard_model
 
 _LOSS_OPTIONS = ("epsilon_low", "epsilon_high", "delta", "beta", "kl_estimator", "importance_sampling_level")
 
@@ -50,6 +60,13 @@ class GRPOModule(LightningModule):
         logprob_batch_size: int = 64,
         log_entropy: bool = True,
         seed: int = 0,
+        eval_num_samples: int = 0,
+        eval_temperature: float = 1.0,
+        eval_pass_k: list[int] | None = None,
+        eval_answer_fn: str | None = None,
+        lora: LoraConfig | None = None,
+        gradient_checkpointing: bool = False,
+        logprob_chunk_size: int | None = DEFAULT_LOGPROB_CHUNK,
     ) -> None:
         """
         Args:
@@ -69,12 +86,31 @@ class GRPOModule(LightningModule):
             logprob_batch_size: rows per forward pass when computing old/reference log-probs at rollout time.
             log_entropy: compute and log the policy's per-token entropy (needed when ``entropy_coef`` ≠ 0).
             seed: seed of the sampling generator (offset by the rank under data parallelism).
+            eval_num_samples: k, completions sampled per held-out prompt by ``validate``/``test`` (and validation
+                during ``fit``, every ``trainer.check_val_every_n_epoch`` rounds) for ``val/pass@k``, ``val/maj@k``,
+                ``val/sample_reward_mean`` and ``val/sample_completion_length_mean``; 0 = greedy only.
+                ``val/accuracy`` is always the greedy pass@1.
+            eval_temperature: sampling temperature of those k completions (top-p/top-k as in ``sampling``).
+            eval_pass_k: the k values of ``val/pass@k`` (unbiased estimator from the k samples); default
+                ``[1, eval_num_samples]``.
+            eval_answer_fn: import path of ``fn(completion) -> answer | None`` that maj@k votes on (``None``
+                abstains), e.g. ``grpo_lightning.rewards.math.extract_answer``; default: the stripped completion.
+                Ties go to the answer sampled first.
+            lora: train LoRA adapters only (needs PEFT); the reference model is then the policy with its adapter
+                disabled, not a second copy of the weights.
+            gradient_checkpointing: recompute each decoder layer's activations in the backward pass instead of
+                keeping them (less memory, about a third more compute for the update).
+            logprob_chunk_size: completion tokens whose full-vocabulary logits exist at once when computing
+                log-probs (rollout and update); ``None`` computes the whole micro-batch's logits at once.
         """
         super().__init__()
         self.save_hyperparameters()
         self.sampling = sampling or SamplingConfig()
         self.objective = objective or ObjectiveConfig()
         self.tiny_model = tiny_model or TinyModelConfig()
+        self.lora = lora
+        if logprob_chunk_size is not None and logprob_chunk_size < 1:
+            raise ConfigError(f"model.logprob_chunk_size must be >= 1 or null (got {logprob_chunk_size})")
         self.reward_specs = rewards or [RewardSpec("exact_answer")]
         # Resolve reward functions now: an unknown name or a failing import is reported before any model loads.
         fns = [spec.build() for spec in self.reward_specs]
@@ -98,6 +134,11 @@ class GRPOModule(LightningModule):
         self.ref_changes = False  # set by ReferenceSync: π_ref then has to be saved in checkpoints
         self._generator_state: Tensor | None = None
         self.val_accuracy, self.val_reward, self.val_length = MeanMetric(), MeanMetric(), MeanMetric()
+        # k-sample evaluation: checked now, so a bad setting fails before any model loads.
+        self.eval_ks = check_eval_settings(eval_num_samples, eval_pass_k, eval_temperature)
+        self.answer_fn = resolve_answer_fn(eval_answer_fn)
+        self.val_pass_at = torch.nn.ModuleDict({str(k): PassAtK(k) for k in self.eval_ks})
+        self.val_majority, self.val_sample_reward, self.val_sample_length = MajorityAtK(), MeanMetric(), MeanMetric()
 
     # ----------------------------------------------------------------------------------------- models
     def _load_tokenizer(self) -> PreTrainedTokenizerBase:
@@ -114,17 +155,70 @@ class GRPOModule(LightningModule):
         return tokenizer
 
     def configure_model(self) -> None:
-        """Build the policy and, when β > 0, its frozen copy as the reference model."""
+        """Build the policy and its reference model, then apply gradient checkpointing, LoRA and sharding.
+
+        The reference is a frozen copy of the starting policy when β > 0, or, with LoRA, the policy itself with
+        the adapter disabled (``reference_model``). Under ``ModelParallelStrategy`` (``self.device_mesh`` set),
+        policy and reference are sharded with FSDP2 the same way: each decoder layer, then the root.
+        """
         if self.policy is not None:
             return
-        if self.hparams.model_name_or_path is None:
-            self.policy = build_tiny_llama(self.tiny_model, self.tokenizer)
-        else:
-            self.policy = AutoModelForCausalLM.from_pretrained(self.hparams.model_name_or_path, dtype=torch.float32)
-        self.policy.generation_config.pad_token_id = self.tokenizer.pad_token_id
+        trainer, mesh = self._trainer, self.device_mesh
+        zero3 = bool(getattr(trainer.strategy, "zero_stage_3", False)) if trainer is not None else False
+        self.policy = self._build_policy()
+        if mesh is not None and self.hparams.model_name_or_path is None:
+            broadcast_module(self.policy)  # random weights: every rank must shard the same model
+        if self.objective.beta > 0 and self.lora is None:
+            # Under ZeRO-3 the weights are partitioned as they are created, and a partitioned model cannot be
+            # deep-copied: the reference is loaded a second time instead.
+            self.ref = self._build_policy() if zero3 else copy.deepcopy(self.policy)
+            self.ref.eval().requires_grad_(False)
+        if self.hparams.gradient_checkpointing:
+            # Non-reentrant checkpointing needs no input that requires grad (frozen embeddings under LoRA). The
+            # cache is off for training forwards; generation asks for its own cache explicitly.
+            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.policy.config.use_cache = False
+        if self.lora is not None:
+            self.policy = apply_lora(self.policy, self.lora)
+            if mesh is not None:
+                broadcast_module(self.policy, trainable_only=True)  # adapters start random on every rank
         self.policy.train()  # from_pretrained returns eval mode; the update runs in train mode
-        if self.objective.beta > 0:
-            self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        if mesh is not None:
+            mp_policy = None
+            if trainer is not None and trainer.precision == "bf16-mixed":
+                from torch.distributed.fsdp import MixedPrecisionPolicy
+
+                # Compute (and all-gather) in bf16 as autocast would, reduce gradients in float32.
+                mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            shard_model(self.policy, mesh, mp_policy=mp_policy)
+            if self.ref is not None:
+                shard_model(self.ref, mesh, mp_policy=mp_policy)
+
+    def _build_policy(self) -> PreTrainedModel:
+        # The default dtype is the Trainer's: bfloat16 inside configure_model under precision="bf16-true".
+        if self.hparams.model_name_or_path is None:
+            model = build_tiny_llama(self.tiny_model, self.tokenizer)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                self.hparams.model_name_or_path, dtype=torch.get_default_dtype()
+            )
+        model.generation_config.pad_token_id = self.tokenizer.pad_token_id
+        return model
+
+    @contextmanager
+    def reference_model(self) -> Iterator[PreTrainedModel | None]:
+        """π_ref for the duration of the block: the frozen copy; with LoRA, the policy with its adapter disabled
+        (in eval mode); None when β = 0."""
+        if self.ref is not None or self.objective.beta <= 0 or not is_peft_model(self.policy):
+            yield self.ref
+            return
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            with self.policy.disable_adapter():
+                yield self.policy
+        finally:
+            self.policy.train(was_training)
 
     # -------------------------------------------------------------------- the pieces of a rollout round
     def _sampling_generator(self, device: torch.device) -> torch.Generator:
@@ -157,26 +251,28 @@ class GRPOModule(LightningModule):
         was_training = self.policy.training
         self.policy.eval()  # dropout off while sampling; restored below for the update
         try:
-            chunks = []
-            for start in range(0, len(prompts), prompts_per_chunk):
-                prompt_ids, prompt_mask = self.encode_prompts(prompts[start : start + prompts_per_chunk])
-                chunks.append(
-                    sample_completions(
-                        self.policy,
-                        prompt_ids,
-                        prompt_mask,
-                        group_size=group_size,
-                        max_new_tokens=s.max_new_tokens,
-                        min_new_tokens=0 if greedy else s.min_new_tokens,
-                        eos_token_id=self.tokenizer.eos_token_id,
-                        pad_token_id=self.tokenizer.pad_token_id,
-                        temperature=s.temperature,
-                        top_k=s.top_k,
-                        top_p=s.top_p,
-                        greedy=greedy,
-                        generator=self._sampling_generator(prompt_ids.device),
+            # FSDP2: the full weights are gathered once for all chunks, not at every decoding step.
+            with gathered(self.policy):
+                chunks = []
+                for start in range(0, len(prompts), prompts_per_chunk):
+                    prompt_ids, prompt_mask = self.encode_prompts(prompts[start : start + prompts_per_chunk])
+                    chunks.append(
+                        sample_completions(
+                            self.policy,
+                            prompt_ids,
+                            prompt_mask,
+                            group_size=group_size,
+                            max_new_tokens=s.max_new_tokens,
+                            min_new_tokens=0 if greedy else s.min_new_tokens,
+                            eos_token_id=self.tokenizer.eos_token_id,
+                            pad_token_id=self.tokenizer.pad_token_id,
+                            temperature=s.temperature,
+                            top_k=s.top_k,
+                            top_p=s.top_p,
+                            greedy=greedy,
+                            generator=self._sampling_generator(prompt_ids.device),
+                        )
                     )
-                )
         finally:
             self.policy.train(was_training)
         return concat_completions(chunks, self.tokenizer.pad_token_id)
@@ -227,15 +323,20 @@ class GRPOModule(LightningModule):
             completions.completion_ids,
             completions.completion_mask,
         )
-        kwargs = {"temperature": self.sampling.temperature, "micro_batch_size": self.hparams.logprob_batch_size}
+        kwargs = {
+            "temperature": self.sampling.temperature,
+            "micro_batch_size": self.hparams.logprob_batch_size,
+            "chunk_size": self.hparams.logprob_chunk_size,
+        }
         old = ref = None
         if self.objective.num_iterations > 1:
             was_training = self.policy.training
             self.policy.eval()
             old = completion_logprobs(self.policy, *args, **kwargs)[0]
             self.policy.train(was_training)
-        if self.ref is not None:
-            ref = completion_logprobs(self.ref, *args, **kwargs)[0]
+        with self.reference_model() as reference:  # with LoRA: the policy, adapter disabled
+            if reference is not None:
+                ref = completion_logprobs(reference, *args, **kwargs)[0]
         return old, ref
 
     # ------------------------------------------------------------------------------------------ update
@@ -276,14 +377,25 @@ class GRPOModule(LightningModule):
         return loss
 
     def _log_rollout_metrics(self) -> None:
+        """The round's rollout summaries (``rollout/``, ``reward/``, ``time/``), once per round."""
         rollout = getattr(self.trainer.datamodule, "last_rollout", None)
         if rollout is None:
             return
         metrics = {k: v for k, v in rollout.metrics.items() if v == v}  # NaN = no applicable value this round
-        self.log_dict(metrics, on_step=True, on_epoch=False)
-        self.log("reward", rollout.metrics["rollout/reward_mean"], prog_bar=True, on_step=True, on_epoch=False)
+        # One value per round, logged at the epoch level: written at every round's end, whatever
+        # trainer.log_every_n_steps is (step-level values would be dropped between its multiples).
+        self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1)
+        # The progress bar's postfix only: the logs hold these under their namespaced names already.
+        bar = {"reward": rollout.metrics["rollout/reward_mean"]}
+        if "time/generated_tokens_per_s" in rollout.metrics:
+            bar["gen_tok/s"] = float(round(rollout.metrics["time/generated_tokens_per_s"]))  # a short postfix
+        self.log_dict(bar, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
 
     def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW over the parameters that train (the adapters only, with LoRA), with linear warm-up.
+
+        Under FSDP2 these are the rank's shards (DTensors), so the optimizer state is sharded too.
+        """
         params = [p for p in self.policy.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
         warmup = self.hparams.warmup_steps
@@ -292,26 +404,50 @@ class GRPOModule(LightningModule):
 
     # -------------------------------------------------------------------------------------- evaluation
     def validation_step(self, batch: dict[str, list[Any]], batch_idx: int) -> None:
-        self._evaluate(batch, "val")
+        self._evaluate(batch, "val", batch_idx)
 
     def test_step(self, batch: dict[str, list[Any]], batch_idx: int) -> None:
-        self._evaluate(batch, "test")
+        self._evaluate(batch, "test", batch_idx)
 
-    def _evaluate(self, batch: dict[str, list[Any]], stage: str) -> None:
-        """Greedy completions of held-out prompts: accuracy, mean reward, mean length."""
+    def _evaluate(self, batch: dict[str, list[Any]], stage: str, batch_idx: int = 0) -> None:
+        """Held-out prompts: greedy accuracy (pass@1), mean reward and length; with ``eval_num_samples`` = k > 0
+        also pass@k and maj@k over k sampled completions per prompt, and their mean reward and length."""
         completions = self.generate(batch["prompt"], greedy=True)
         texts = self.decode(completions.completion_ids, completions.completion_mask)
         columns = {name: values for name, values in batch.items() if name != "prompt"}
         columns["completion_lengths"] = completions.completion_mask.sum(-1).tolist()
         total, per_function = self.score(batch["prompt"], texts, columns)
-        correct = [float(v is not None and v >= 1.0) for v in per_function[self.accuracy_reward]]
-        self.val_accuracy.update(torch.tensor(correct, device=self.device))
+        log = {"on_step": False, "on_epoch": True, "batch_size": len(texts)}
+        if self.accuracy_reward is not None:  # None: only process rewards, nothing decides "correct"
+            correct = [float(v is not None and v >= 1.0) for v in per_function[self.accuracy_reward]]
+            self.val_accuracy.update(torch.tensor(correct, device=self.device))
+            self.log(f"{stage}/accuracy", self.val_accuracy, prog_bar=True, **log)
         self.val_reward.update(torch.tensor(total, device=self.device))
         self.val_length.update(completions.completion_mask.sum(-1).float())
-        log = {"on_step": False, "on_epoch": True, "batch_size": len(texts)}
-        self.log(f"{stage}/accuracy", self.val_accuracy, prog_bar=True, **log)
         self.log(f"{stage}/reward_mean", self.val_reward, **log)
         self.log(f"{stage}/completion_length_mean", self.val_length, **log)
+        k = self.hparams.eval_num_samples
+        if k == 0:
+            return
+        # A stream of its own per rank and batch: reproducible, and the rollout's generator is left untouched.
+        seed = self.hparams.seed + 1_000_003 * (self.global_rank + 1) + batch_idx
+        samples = sample_and_score(self, batch, k, self.hparams.eval_temperature, seed)
+        self.val_sample_reward.update(torch.tensor(samples.total_rewards, device=self.device))
+        self.val_sample_length.update(samples.lengths.float())
+        self.log(f"{stage}/sample_reward_mean", self.val_sample_reward, **log)
+        self.log(f"{stage}/sample_completion_length_mean", self.val_sample_length, **log)
+        if samples.correct is None:
+            return
+        per_prompt = range(0, len(samples.texts), k)
+        self.val_majority.update(
+            [[self.answer_fn(t) for t in samples.texts[i : i + k]] for i in per_prompt],
+            [samples.correct[i : i + k] for i in per_prompt],
+        )
+        self.log(f"{stage}/maj@{k}", self.val_majority, **log)
+        num_correct = torch.tensor(samples.correct).view(-1, k).sum(-1)
+        for name, metric in self.val_pass_at.items():
+            metric.update(num_correct, k)
+            self.log(f"{stage}/pass@{name}", metric, **log)
 
     # ------------------------------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -11,7 +11,7 @@ from lightning import Trainer
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.callbacks.kl import KLController, ReferenceSync, adaptive_beta
-from grpo_lightning.cli import TRAINER_DEFAULTS, GRPOCLI
+from grpo_lightning.cli import GRPOCLI, TRAINER_DEFAULTS
 from grpo_lightning.loss import process_advantages
 from grpo_lightning.models.tiny import build_char_tokenizer
 from grpo_lightning.rewards import RewardSpec, register

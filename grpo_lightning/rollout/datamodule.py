@@ -20,6 +20,7 @@ from grpo_lightning.config import ConfigError
 from grpo_lightning.rewards import check_required_columns
 from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.rollout.round import collect_rollout
+from grpo_lightning.strategies import rollout_context
 from grpo_lightning.tasks import is_task, load_task
 
 _FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -193,13 +194,15 @@ class RolloutDataModule(LightningDataModule):
         sum_across_ranks = None
         if self.trainer.world_size > 1:
             sum_across_ranks = lambda t: module.all_gather(t).sum(0)  # noqa: E731
-        self.last_rollout = collect_rollout(
-            module,
-            self.next_prompts,
-            dynamic_sampling=self.dynamic_sampling,
-            max_sampling_rounds=self.max_sampling_rounds,
-            all_gather=module.all_gather,
-        )
+        # The Trainer's precision as in training_step; FSDP2: the policy's weights gathered once for the round.
+        with rollout_context(module):
+            self.last_rollout = collect_rollout(
+                module,
+                self.next_prompts,
+                dynamic_sampling=self.dynamic_sampling,
+                max_sampling_rounds=self.max_sampling_rounds,
+                all_gather=module.all_gather,
+            )
         rollout_size = len(self.last_rollout)
         mini = self.mini_batch_size or rollout_size
         batches = self.last_rollout.micro_batches(

@@ -1,0 +1,77 @@
+"""``CompletionsTable``: the round's prompts, completions, rewards and advantages as a W&B table, every N rounds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities import rank_zero_warn
+
+from grpo_lightning.rollout.batch import RolloutBatch
+
+
+def completion_advantages(rollout: RolloutBatch) -> list[float]:
+    """One advantage per completion (per-token advantages, from process rewards, are averaged over its tokens)."""
+    advantages = rollout.advantages.float()
+    if advantages.dim() == 1:
+        return advantages.tolist()
+    mask = rollout.completion_mask[:, : advantages.size(1)].float()
+    return ((advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist()
+
+
+def completion_rows(rollout: RolloutBatch, indices: list[int] | None = None) -> tuple[list[str], list[list[Any]]]:
+    """Columns ``prompt, completion, reward, <each reward function>, advantage`` and the rows of ``indices``."""
+    names = list(rollout.reward_columns)
+    columns = ["prompt", "completion", "reward", *names, "advantage"]
+    rewards, advantages = rollout.rewards.float().tolist(), completion_advantages(rollout)
+    rows = []
+    for i in range(len(rollout.completions)) if indices is None else indices:
+        per_function = [rollout.reward_columns[name][i] for name in names]
+        rows.append([rollout.prompts[i], rollout.completions[i], rewards[i], *per_function, advantages[i]])
+    return columns, rows
+
+
+def is_logging_round(trainer: Trainer, every_n_rounds: int) -> bool:
+    """Rounds 0, N, 2N, ...: the first round shows the starting model's completions."""
+    return trainer.current_epoch % every_n_rounds == 0
+
+
+class CompletionsTable(Callback):
+    """Logs the round's completions to W&B as ``<key>/round_<r>``, one table per logged round (none overwritten).
+
+    Columns: ``round``, ``step``, ``prompt``, ``completion``, ``reward`` (the weighted total), one column per
+    reward function (empty where it did not apply) and ``advantage``. Needs a ``WandbLogger``; under data
+    parallelism the table holds rank 0's share of the round. For a run without W&B, see ``ConsoleSamples``.
+    """
+
+    def __init__(self, every_n_rounds: int = 10, max_rows: int | None = None, key: str = "completions") -> None:
+        """
+        Args:
+            every_n_rounds: log rounds 0, N, 2N, ...
+            max_rows: keep the round's first ``max_rows`` completions (whole groups first); ``None`` = all.
+            key: prefix of the table keys.
+        """
+        if every_n_rounds < 1:
+            raise ValueError(f"every_n_rounds must be >= 1 (got {every_n_rounds})")
+        self.every_n_rounds, self.max_rows, self.key = every_n_rounds, max_rows, key
+        self._warned = False
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.is_global_zero or not is_logging_round(trainer, self.every_n_rounds):
+            return
+        rollout = getattr(trainer.datamodule, "last_rollout", None) if trainer.datamodule is not None else None
+        loggers = [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
+        if rollout is None or not rollout.completions:
+            return
+        if not loggers:
+            if not self._warned:
+                rank_zero_warn("CompletionsTable logs to W&B only and the trainer has no WandbLogger: nothing logged")
+                self._warned = True
+            return
+        count = len(rollout.completions) if self.max_rows is None else min(self.max_rows, len(rollout.completions))
+        columns, rows = completion_rows(rollout, list(range(count)))
+        round_, step = trainer.current_epoch, trainer.global_step
+        columns, data = ["round", "step", *columns], [[round_, step, *row] for row in rows]
+        for logger in loggers:
+            logger.log_table(f"{self.key}/round_{round_:04d}", columns=columns, data=data, step=step)

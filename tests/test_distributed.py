@@ -1,0 +1,298 @@
+"""Data parallelism on 2 CPU processes (gloo): DDP and FSDP2 (``FSDP2Strategy``), checkpoints and consolidation.
+
+One ``torchrun --nproc_per_node=2`` launch of this file (``worker``) runs every 2-process scenario and writes its
+results to a folder; the tests check them against each other and against a single-process run of this process.
+Equivalence runs use ``FixedRolloutModule``: completions are a fixed function of the prompt text, so one process
+with 4 prompts per round and two with 2 each train on the same rollout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning import Callback, Trainer
+
+from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
+from grpo_lightning.cli import TRAINER_DEFAULTS
+from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
+from grpo_lightning.rewards import RewardSpec, register
+from grpo_lightning.rollout.generation import Completions
+from grpo_lightning.strategies import FSDP2Strategy
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=64)
+WORLD, GROUP, PROMPTS = 2, 4, 4  # PROMPTS per round in all, split over the ranks
+# Equivalence runs exercise the cross-rank reductions: a token-level loss over the whole mini-batch (dapo) and
+# advantages scaled by the std of the whole batch; micro-batches with gradient accumulation on top.
+EQUIVALENCE = {"loss_type": "dapo", "advantage_scale": "batch"}
+
+
+@register("dist_length")
+def length_reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    """The completion's length: rewards with spread for any model."""
+    return [float(len(c)) for c in completions]
+
+
+class FixedRolloutModule(GRPOModule):
+    """``generate`` returns completions drawn from a generator seeded by the prompt's text, whatever the rank."""
+
+    def generate(self, prompts: list[str], *, greedy: bool = False) -> Completions:
+        group, length = (1 if greedy else self.sampling.group_size), self.sampling.max_new_tokens
+        prompt_ids, prompt_mask = self.encode_prompts(prompts)
+        ids, masks = [], []
+        for prompt in prompts:
+            generator = torch.Generator().manual_seed(zlib.crc32(prompt.encode()))
+            tokens = torch.randint(3, len(self.tokenizer), (group, length), generator=generator)
+            lengths = torch.randint(1, length + 1, (group,), generator=generator)
+            mask = (torch.arange(length)[None] < lengths[:, None]).long()
+            ids.append(tokens.masked_fill(mask == 0, self.tokenizer.pad_token_id))
+            masks.append(mask)
+        masks = torch.cat(masks).to(self.device)
+        return Completions(
+            prompt_ids=prompt_ids.repeat_interleave(group, 0),
+            prompt_mask=prompt_mask.repeat_interleave(group, 0),
+            completion_ids=torch.cat(ids).to(self.device),
+            completion_mask=masks,
+            truncated=masks.sum(-1) == length,
+        )
+
+
+class Record(Callback):
+    """Losses of every optimizer step, and the policy's weights when training starts (after any resume)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.start_weights: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer: Trainer, module: GRPOModule) -> None:
+        self.start_weights = full_weights(module.policy)
+
+    def on_train_batch_end(self, trainer: Trainer, module: GRPOModule, outputs: Any, batch: Any, idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight in full on every rank (FSDP2 shards all-gathered), detached copies on CPU."""
+    out = {}
+    for name, value in model.state_dict().items():
+        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        out[name] = value.detach().cpu().clone()
+    return out
+
+
+def make_run(
+    model_dir: str,
+    root: Path,
+    *,
+    strategy: Any = "auto",
+    devices: int = 1,
+    epochs: int = 3,
+    fixed: bool = False,
+    checkpoints: bool = False,
+) -> tuple[GRPOModule, RolloutDataModule, Trainer, Record]:
+    """A tiny GRPO run: ``PROMPTS`` prompts per round over all ranks, G=4, one optimizer step of 2 micro-batches."""
+    per_rank = PROMPTS // devices
+    rollout = per_rank * GROUP
+    module = (FixedRolloutModule if fixed else GRPOModule)(
+        model_name_or_path=model_dir,
+        rewards=[RewardSpec("dist_length")],
+        sampling=SamplingConfig(group_size=GROUP, max_new_tokens=4),
+        objective=ObjectiveConfig(beta=0.04, **(EQUIVALENCE if fixed else {})),
+        lr=1e-3,
+        logprob_chunk_size=5,  # several chunks per micro-batch, some spanning rows
+    )
+    data = RolloutDataModule(
+        prompts_per_round=per_rank,
+        mini_batch_size=rollout,
+        micro_batch_size=rollout // 2,
+        val_limit=4,
+        task_kwargs={"test_size": 50},
+    )
+    record = Record()
+    callbacks: list[Callback] = [record]
+    if checkpoints:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=root / "checkpoints", save_last=True, save_top_k=0))
+    trainer = Trainer(
+        **TRAINER_DEFAULTS,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_epochs=epochs,
+        accumulate_grad_batches=2,
+        gradient_clip_val=1.0,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=checkpoints,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        default_root_dir=root,
+    )
+    return module, data, trainer, record
+
+
+# --------------------------------------------------------------------------------------------- the worker
+def worker(out: Path, model_dir: str) -> None:
+    """Every 2-process scenario, in one launch (starting processes is the expensive part on CPU)."""
+    results: dict[str, Any] = {}
+    rank = int(os.environ["RANK"])
+
+    def finish(name: str, module: GRPOModule, trainer: Trainer, record: Record) -> dict[str, torch.Tensor]:
+        weights = full_weights(module.policy)
+        gathered: list[Any] = [None] * WORLD
+        torch.distributed.all_gather_object(gathered, weights)
+        results[name] = {
+            "losses": record.losses,
+            "global_step": trainer.global_step,
+            "rank_max_diff": max((gathered[0][k] - gathered[1][k]).abs().max().item() for k in weights),
+        }
+        if rank == 0:
+            torch.save(weights, out / f"{name}.pt")
+        return weights
+
+    for name, strategy in (("ddp", lambda: "ddp"), ("fsdp", FSDP2Strategy)):  # a fresh strategy per Trainer
+        module, data, trainer, record = make_run(
+            model_dir, out / name, strategy=strategy(), devices=WORLD, checkpoints=name == "fsdp"
+        )
+        trainer.fit(module, datamodule=data)
+        weights = finish(name, module, trainer, record)
+        module, data, trainer, record = make_run(
+            model_dir, out / f"{name}_eq", strategy=strategy(), devices=WORLD, fixed=True
+        )
+        trainer.fit(module, datamodule=data)
+        finish(f"{name}_eq", module, trainer, record)
+
+    # FSDP2: resume the 3-round run from its sharded checkpoint for 2 more rounds.
+    module, data, trainer, record = make_run(
+        model_dir, out / "fsdp", strategy=FSDP2Strategy(), devices=WORLD, epochs=5, checkpoints=True
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=out / "fsdp" / "checkpoints" / "last.ckpt")
+    finish("fsdp_resumed", module, trainer, record)
+    results["fsdp_resumed"]["resume_max_diff"] = max(
+        (record.start_weights[k] - weights[k]).abs().max().item() for k in weights
+    )
+    results["fsdp_resumed"]["position"] = data.position
+    probe = torch.tensor([[5, 17, 30, 42, 8, 11]])
+    with torch.no_grad():
+        logits = module.policy(input_ids=probe).logits  # a sharded forward: every rank takes part
+    if rank == 0:
+        torch.save({"input_ids": probe, "logits": logits}, out / "fsdp_logits.pt")
+        (out / "results.json").write_text(json.dumps(results))
+
+
+# ---------------------------------------------------------------------------------------------- the tests
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("dist-model")
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(0)
+    build_tiny_llama(TINY, tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory: pytest.TempPathFactory, model_dir: str) -> tuple[Path, dict[str, Any]]:
+    """Launch the worker on 2 processes once; its output folder and results."""
+    out = tmp_path_factory.mktemp("dist-runs")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
+    command += [__file__, str(out), model_dir]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0 or not (out / "results.json").exists():
+        pytest.fail(f"2-process worker failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    return out, json.loads((out / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory: pytest.TempPathFactory, model_dir: str) -> dict[str, torch.Tensor]:
+    """The equivalence run on one process: all prompts of a round on one rank."""
+    module, data, trainer, _ = make_run(model_dir, tmp_path_factory.mktemp("single"), fixed=True)
+    trainer.fit(module, datamodule=data)
+    return full_weights(module.policy)
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp"])
+def test_three_steps_finite_and_ranks_identical(two_processes: tuple[Path, dict[str, Any]], name: str) -> None:
+    _, results = two_processes
+    run = results[name]
+    assert run["global_step"] == 3 and len(run["losses"]) == 3 * 2  # 3 rounds × 2 micro-batches
+    assert all(math.isfinite(loss) for loss in run["losses"])
+    assert run["rank_max_diff"] == 0.0
+
+
+@pytest.mark.parametrize("name", ["ddp_eq", "fsdp_eq"])
+def test_two_processes_update_like_one(
+    two_processes: tuple[Path, dict[str, Any]], single_process: dict[str, torch.Tensor], name: str, model_dir: str
+) -> None:
+    out, results = two_processes
+    assert results[name]["rank_max_diff"] == 0.0
+    distributed = torch.load(out / f"{name}.pt")
+    start = GRPOModule(model_name_or_path=model_dir, objective=ObjectiveConfig(beta=0.0))
+    start.configure_model()
+    moved = max((single_process[k] - v).abs().max().item() for k, v in start.policy.state_dict().items())
+    assert moved > 1e-3  # the comparison below is about real updates
+    for key, value in single_process.items():
+        torch.testing.assert_close(distributed[key], value, atol=1e-5, rtol=0, msg=key)
+
+
+def test_fsdp_checkpoint_resume_and_consolidation(two_processes: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    out, results = two_processes
+    resumed = results["fsdp_resumed"]
+    assert resumed["resume_max_diff"] == 0.0  # training restarted from exactly the saved weights
+    assert resumed["global_step"] == 5 and len(resumed["losses"]) == 2 * 2
+    assert all(math.isfinite(loss) for loss in resumed["losses"])
+    assert resumed["position"] == 5 * PROMPTS  # the prompt stream continued where it stopped
+    spec = importlib.util.spec_from_file_location("consolidate_fsdp", ROOT / "tools" / "consolidate_fsdp.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    folder = tool.consolidate(out / "fsdp" / "checkpoints" / "last.ckpt", tmp_path / "hf")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    probe = torch.load(out / "fsdp_logits.pt")
+    with torch.no_grad():
+        logits = model(input_ids=probe["input_ids"]).logits
+    torch.testing.assert_close(logits, probe["logits"], atol=1e-5, rtol=1e-5)
+
+
+def test_deepspeed_zero2_one_step(tmp_path: Path, model_dir: str) -> None:
+    """DeepSpeed through Lightning's strategy: needs the deepspeed package and a CUDA device."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install deepspeed)")
+    if not torch.cuda.is_available():
+        pytest.skip("DeepSpeed needs a CUDA device")
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    module, data, trainer, record = make_run(model_dir, tmp_path, epochs=1)
+    trainer = Trainer(
+        **TRAINER_DEFAULTS,
+        accelerator="gpu",
+        devices=1,
+        strategy=DeepSpeedStrategy(stage=2),
+        max_epochs=1,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[record],
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, datamodule=data)
+    assert trainer.global_step == 1 and all(math.isfinite(loss) for loss in record.losses)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("WANDB_MODE", "offline")
+    worker(Path(sys.argv[1]), sys.argv[2])

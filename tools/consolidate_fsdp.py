@@ -1,0 +1,100 @@
+"""Consolidate a GRPO checkpoint saved under FSDP2 (a sharded folder) into a Hugging Face model folder.
+
+    python tools/consolidate_fsdp.py runs/gsm8k/checkpoints/last.ckpt runs/gsm8k/hf [--dtype bfloat16]
+
+``FSDP2Strategy`` / ``ModelParallelStrategy`` save a checkpoint as a folder: one shard file per rank (PyTorch
+distributed checkpoint format) plus ``meta.pt`` (hyperparameters, loop state). This script rebuilds the module
+from the saved hyperparameters, reads the policy's shards into it in one process (no process group, no GPU; one
+full copy of the policy in memory), merges LoRA adapters if there are any, and writes ``save_pretrained`` output
+with the tokenizer. A single-file ``.ckpt`` (DDP, one device) is accepted too.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from grpo_lightning.lora import is_peft_model
+from grpo_lightning.module import GRPOModule
+
+_PREFIX = "policy."
+
+
+def _load_sharded(path: Path, state: dict[str, torch.Tensor]) -> tuple[set[str], dict[str, torch.dtype]]:
+    """Fill ``state`` (policy keys, tensors of the module) in place from the sharded checkpoint at ``path``.
+
+    Returns the keys found and the dtype each was saved in.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    present = {key: tensor for key, tensor in state.items() if f"state_dict.{key}" in saved}
+    # Partial load: weights tied to another key (lm_head ↔ embed_tokens) may be stored under one name only.
+    dcp.load(
+        {"state_dict": present},
+        checkpoint_id=str(path),
+        planner=DefaultLoadPlanner(allow_partial_load=True),
+        no_dist=True,
+    )
+    dtypes = {key: saved[f"state_dict.{key}"].properties.dtype for key in present}
+    return set(present), dtypes
+
+
+def _load_single_file(path: Path, state: dict[str, torch.Tensor]) -> tuple[set[str], dict[str, torch.dtype]]:
+    saved = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    found, dtypes = set(), {}
+    with torch.no_grad():
+        for key, tensor in state.items():
+            if key in saved:
+                tensor.copy_(saved[key])
+                found.add(key)
+                dtypes[key] = saved[key].dtype
+    return found, dtypes
+
+
+def consolidate(checkpoint: str | Path, output: str | Path, *, dtype: torch.dtype | None = None) -> Path:
+    """Write the policy of ``checkpoint`` (sharded folder or single file) as a Hugging Face folder ``output``.
+
+    ``dtype`` defaults to the dtype the weights were trained in.
+    """
+    checkpoint, output = Path(checkpoint), Path(output)
+    sharded = checkpoint.is_dir()
+    meta = torch.load(checkpoint / "meta.pt" if sharded else checkpoint, map_location="cpu", weights_only=False)
+    module = GRPOModule(**meta["hyper_parameters"])
+    module.configure_model()
+    # The module's own tensors, keyed as in the checkpoint; loading writes into them.
+    state = {key: value for key, value in module.state_dict(keep_vars=False).items() if key.startswith(_PREFIX)}
+    found, dtypes = (_load_sharded if sharded else _load_single_file)(checkpoint, state)
+    loaded_storage = {state[key].untyped_storage().data_ptr() for key in found}
+    missing = [k for k in state if k not in found and state[k].untyped_storage().data_ptr() not in loaded_storage]
+    if missing:
+        raise SystemExit(f"{checkpoint} lacks {len(missing)} policy weights, e.g. {missing[:3]}")
+    policy = module.policy
+    if is_peft_model(policy):
+        policy = policy.merge_and_unload()  # adapters folded into the base weights: a plain model again
+    if dtype is None:
+        dtype = max(set(dtypes.values()), key=list(dtypes.values()).count) if dtypes else torch.float32
+    policy = policy.to(dtype)
+    policy.config.use_cache = True  # gradient checkpointing turned it off for training
+    output.mkdir(parents=True, exist_ok=True)
+    policy.save_pretrained(output)
+    module.tokenizer.save_pretrained(output)
+    return output
+
+
+def main() -> None:
+    """Command line: ``consolidate_fsdp.py CHECKPOINT OUTPUT [--dtype float32|bfloat16|float16]``."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="a sharded checkpoint folder (or a single-file .ckpt)")
+    parser.add_argument("output", help="the Hugging Face folder to write")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: as trained")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    print(f"wrote {consolidate(args.checkpoint, args.output, dtype=dtype)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Export a GRPO checkpoint's policy as a Hugging Face model folder.
+
+    python tools/export_hf.py runs/quickstart/checkpoints/last.ckpt exported/quickstart
+    python tools/export_hf.py CKPT OUT_DIR --dtype bfloat16
+
+The folder holds the weights (``model.safetensors``), ``config.json``, the tokenizer and a ``generation_config.json``
+carrying the run's sampling settings, and loads with ``AutoModelForCausalLM.from_pretrained(OUT_DIR)``. A LoRA
+policy (a ``peft`` model) is merged into its base weights first, so the folder needs no ``peft`` to load.
+
+The checkpoint rebuilds its module from its hyperparameters, so ``model.model_name_or_path`` must still resolve
+(run from the training run's folder, or pass ``--model-name-or-path``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from grpo_lightning.module import GRPOModule
+
+
+def merged_policy(policy: torch.nn.Module) -> PreTrainedModel:
+    """The policy as a plain ``transformers`` model: a ``peft`` model has its adapters merged in (in place)."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # without peft installed the policy cannot be a peft model
+        return policy
+    if isinstance(policy, PeftModel):
+        return policy.merge_and_unload()
+    return policy
+
+
+def export_module(module: GRPOModule, out_dir: str | Path, dtype: str | None = None) -> Path:
+    """Write ``module``'s policy, tokenizer and generation config to ``out_dir`` as a Hugging Face folder.
+
+    Args:
+        module: a module whose policy is built (``configure_model`` ran, as ``load_from_checkpoint`` does).
+        out_dir: the folder to write (created if needed).
+        dtype: cast the weights to this ``torch`` dtype name (``bfloat16``, ``float16``, ...); default: as trained.
+    """
+    if module.policy is None:
+        module.configure_model()
+    policy = merged_policy(module.policy).eval()
+    if dtype is not None:
+        policy = policy.to(getattr(torch, dtype))
+    tokenizer, sampling = module.tokenizer, module.sampling
+    generation = policy.generation_config
+    generation.pad_token_id, generation.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    if tokenizer.bos_token_id is not None:
+        generation.bos_token_id = tokenizer.bos_token_id
+    # The sampling the policy was trained with: generate() on the exported model then behaves like a rollout.
+    generation.do_sample, generation.temperature = True, sampling.temperature
+    generation.top_p, generation.top_k = sampling.top_p, sampling.top_k
+    generation.max_new_tokens = sampling.max_new_tokens
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    policy.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def export_checkpoint(
+    ckpt_path: str | Path, out_dir: str | Path, *, dtype: str | None = None, model_name_or_path: str | None = None
+) -> Path:
+    """Load a Lightning checkpoint of ``GRPOModule`` (on CPU) and ``export_module`` its policy.
+
+    The checkpoint is unpickled in full (``weights_only=False``), as ``trainer.fit/validate --ckpt_path`` does: its
+    hyperparameters hold the run's config objects. Export only checkpoints you trust.
+    """
+    overrides = {} if model_name_or_path is None else {"model_name_or_path": model_name_or_path}
+    module = GRPOModule.load_from_checkpoint(str(ckpt_path), map_location="cpu", weights_only=False, **overrides)
+    return export_module(module, out_dir, dtype=dtype)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line: ``export_hf.py CKPT OUT_DIR [--dtype D] [--model-name-or-path P]``."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("ckpt", help="Lightning checkpoint (.ckpt) of a GRPO run")
+    parser.add_argument("out_dir", help="folder to write the Hugging Face model to")
+    parser.add_argument("--dtype", help="cast the weights, e.g. bfloat16 (default: as trained)")
+    parser.add_argument("--model-name-or-path", help="override the base model path recorded in the checkpoint")
+    args = parser.parse_args(argv)
+    out = export_checkpoint(args.ckpt, args.out_dir, dtype=args.dtype, model_name_or_path=args.model_name_or_path)
+    print(f"exported to {out}")
+
+
+if __name__ == "__main__":
+    main()
