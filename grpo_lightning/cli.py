@@ -2,31 +2,60 @@
 
 Lightning's ``LightningCLI`` (jsonargparse): every hyperparameter of ``GRPOModule``, ``RolloutDataModule`` and the
 ``Trainer`` is a YAML key, overridable on the command line; several ``--config`` files compose left to right.
+A setting, data file or checkpoint that cannot work ends the run with one line, ``error: ...``, naming it.
 """
 
 from __future__ import annotations
 
+import argparse
+import difflib
+import inspect
 import os
+import re
 import sys
+from pathlib import Path
+from typing import Any
 
-from lightning.pytorch.cli import LightningCLI
+from lightning import Trainer
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from grpo_lightning.config import ConfigError
+from grpo_lightning.callbacks.guard import NonFiniteError
+from grpo_lightning.callbacks.wandb_logger import LoggerSaveConfigCallback
+from grpo_lightning.config import ConfigError, ObjectiveConfig, SamplingConfig
+from grpo_lightning.lora import LoraConfig
+from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.module import GRPOModule
-from grpo_lightning.rewards import RewardError
+from grpo_lightning.rewards import RewardError, RewardSpec
 from grpo_lightning.rollout.datamodule import RolloutDataModule
+from grpo_lightning.validation import check_checkpoint_hparams, read_checkpoint_hparams
 
 # The settings a GRPO run needs from the Trainer: a fresh rollout every epoch, and no DistributedSampler
 # re-splitting a rollout that each rank already built for itself.
 TRAINER_DEFAULTS = {
     "reload_dataloaders_every_n_epochs": 1,
+    "log_every_n_steps": 1,  # a round has only a few optimizer steps: log every one
     "use_distributed_sampler": False,
     "num_sanity_val_steps": 0,
 }
 
+# ckpt_path values that Lightning resolves itself (not file paths).
+_SPECIAL_CKPT_PATHS = {"last", "best", "hpc", "registry"}
+
+# Where each settings group's keys come from, to suggest the intended key for a mistyped one.
+_KEY_SOURCES: dict[str, Any] = {
+    "model": GRPOModule.__init__,
+    "data": RolloutDataModule.__init__,
+    "trainer": Trainer.__init__,
+    "model.sampling": SamplingConfig,
+    "model.objective": ObjectiveConfig,
+    "model.tiny_model": TinyModelConfig,
+    "model.lora": LoraConfig,
+    "model.rewards": RewardSpec,
+}
+
 
 class GRPOCLI(LightningCLI):
-    """``LightningCLI`` with GRPO's Trainer defaults."""
+    """``LightningCLI`` with GRPO's Trainer defaults, one-line errors and early checkpoint checks."""
 
     def __init__(self, *args, **kwargs) -> None:
         if not args and "model_class" not in kwargs:
@@ -34,9 +63,36 @@ class GRPOCLI(LightningCLI):
         kwargs.setdefault("seed_everything_default", 0)
         kwargs.setdefault("trainer_defaults", TRAINER_DEFAULTS)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        # Records the full resolved config with the run (W&B config and files), not only the module's settings.
+        kwargs.setdefault("save_config_callback", LoggerSaveConfigCallback)
         super().__init__(*args, **kwargs)
 
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        """Parsers that raise on a bad setting (``main`` prints one line) instead of printing the whole usage."""
+        kwargs.setdefault("exit_on_error", False)
+        return super().init_parser(**kwargs)
+
+    def _parse_ckpt_path(self) -> None:
+        """Check ``--ckpt_path`` before anything is built, and keep the config's settings.
+
+        Lightning's own version replaces the config's model settings with the checkpoint's, silently: a resumed
+        run would ignore, say, a new ``model.lr``. Here the config applies; a checkpoint of another model is
+        refused now, in one line, and other changed settings are listed in a warning when it loads.
+        """
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if not ckpt_path or str(ckpt_path) in _SPECIAL_CKPT_PATHS or "://" in str(ckpt_path):
+            return
+        if not Path(ckpt_path).is_file():
+            raise ConfigError(f"ckpt_path: no such checkpoint file {str(ckpt_path)!r}")
+        saved = read_checkpoint_hparams(str(ckpt_path)) or {}
+        model = self.config[subcommand].get("model")
+        current = model.as_dict() if hasattr(model, "as_dict") else dict(model or {})
+        current = current.get("init_args", current)  # class_path form, with subclass mode
+        check_checkpoint_hparams(saved, current, repr(str(ckpt_path)))
+
     def before_fit(self) -> None:
+        """GRPO's own Trainer requirement, checked before anything is built."""
         reload = self.trainer.reload_dataloaders_every_n_epochs
         if reload != 1:
             raise ConfigError(
@@ -46,26 +102,71 @@ class GRPOCLI(LightningCLI):
 
 
 def user_error(err: BaseException) -> BaseException | None:
-    """The ``ConfigError``/``RewardError`` behind ``err``, if any (jsonargparse wraps the ones raised while parsing)."""
+    """The error behind ``err`` that is the user's to fix (settings, data, rewards, numerics), if any.
+
+    jsonargparse wraps the ones raised while parsing, hence the walk along the cause chain.
+    """
     seen = set()
     while err is not None and id(err) not in seen:
-        if isinstance(err, (ConfigError, RewardError)):
+        if isinstance(err, (ConfigError, RewardError, NonFiniteError)):
             return err
         seen.add(id(err))
         err = err.__cause__ or err.__context__
     return None
 
 
+def _suggest(key: str) -> str:
+    """`` (did you mean 'x.y'?)`` for a mistyped ``key`` whose group is known, else an empty string."""
+    group, _, leaf = key.rpartition(".")
+    source = _KEY_SOURCES.get(group)
+    if source is None:
+        return ""
+    names = [n for n in inspect.signature(source).parameters if n not in ("self", "args", "kwargs")]
+    close = difflib.get_close_matches(leaf, names, n=1, cutoff=0.6)
+    return f" (did you mean '{group}.{close[0]}'?)" if close else ""
+
+
+def parse_error_line(message: str) -> str:
+    """jsonargparse's (often multi-line, nested) message about a bad setting, as one line that names it."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return "invalid arguments"
+    match = re.match(r'Parser key "([^"]+)":\s*(.*)', lines[0])
+    key, rest = (match.group(1), [match.group(2), *lines[1:]]) if match else (None, lines)
+    text = " ".join(rest)
+    unknown = re.search(r"unrecognized arguments: --?([\w.\-]+)", text) or re.search(
+        r"does not accept option '([^']+)'", text
+    )
+    if unknown:
+        return f"unknown setting '{unknown.group(1)}'{_suggest(unknown.group(1))}"
+    option = re.search(r"Option '([^']+)' is not accepted", text)
+    if key and option:
+        name = f"{key}.{option.group(1)}"
+        return f"{key}: unknown key '{option.group(1)}'{_suggest(name)}"
+    expected = re.search(r"Expected a <class '(\w+)'>\. Got value: (.*?)(?: - |$)", text)
+    if key and expected:
+        return f"{key}: expected a {expected.group(1)}, got {expected.group(2).strip()!r}"
+    detail = next((line for line in rest if line and not line.startswith(("-", "Subtypes", "Errors"))), text)
+    line = f"{key}: {detail}" if key else detail
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point: errors in the user's settings or data end the run with one line, not a traceback.
 
-    Set ``GRPO_DEBUG=1`` to see the full traceback instead.
+    Exit status 2 for bad settings, data or reward functions, 1 for a run stopped by non-finite values; a run
+    stopped by SIGTERM exits with 0 after saving its checkpoint. Set ``GRPO_DEBUG=1`` for full tracebacks.
     """
     try:
         GRPOCLI(args=args)
+    except argparse.ArgumentError as err:  # a bad setting, from jsonargparse
+        if os.environ.get("GRPO_DEBUG"):
+            raise
+        print(f"error: {parse_error_line(str(err))}", file=sys.stderr)
+        sys.exit(2)
     except Exception as err:
         cause = user_error(err)
         if cause is None or os.environ.get("GRPO_DEBUG"):
             raise
-        print(f"error: {cause}", file=sys.stderr)
-        sys.exit(2)
+        print(f"error: {' '.join(str(cause).split())}", file=sys.stderr)  # one line, whatever the message
+        sys.exit(1 if isinstance(cause, NonFiniteError) else 2)

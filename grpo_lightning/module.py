@@ -16,10 +16,12 @@ from typing import Any, Literal
 import torch
 from lightning import LightningModule
 from torch import Tensor
-from torchmetrics import MeanMetric
+from torchmetrics import MeanMetric, Metric
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning import rewards as reward_registry
+from grpo_lightning.callbacks.checkpointing import module_checkpoint_state, restore_module_checkpoint
+from grpo_lightning.callbacks.guard import NonFiniteGuard, nonfinite_inputs, nonfinite_terms
 from grpo_lightning.config import ConfigError, ObjectiveConfig, SamplingConfig
 from grpo_lightning.lora import LoraConfig, apply_lora, is_peft_model
 from grpo_lightning.loss import grpo_loss
@@ -36,6 +38,7 @@ from grpo_lightning.rollout.generation import (
 )
 from grpo_lightning.rollout.steps import step_token_ends
 from grpo_lightning.strategies import broadcast_module, gathered, shard_model
+from grpo_lightning.validation import fix_special_tokens, model_eos_token_id
 
 _LOSS_OPTIONS = ("epsilon_low", "epsilon_high", "delta", "beta", "kl_estimator", "importance_sampling_level")
 
@@ -67,6 +70,7 @@ class GRPOModule(LightningModule):
         lora: LoraConfig | None = None,
         gradient_checkpointing: bool = False,
         logprob_chunk_size: int | None = DEFAULT_LOGPROB_CHUNK,
+        max_nonfinite_skips: int = 3,
     ) -> None:
         """
         Args:
@@ -102,6 +106,8 @@ class GRPOModule(LightningModule):
                 keeping them (less memory, about a third more compute for the update).
             logprob_chunk_size: completion tokens whose full-vocabulary logits exist at once when computing
                 log-probs (rollout and update); ``None`` computes the whole micro-batch's logits at once.
+            max_nonfinite_skips: an optimizer step whose loss or gradients hold a NaN/Inf is skipped (weights
+                unchanged, culprit logged); this many skips in a row stop the run.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -111,6 +117,9 @@ class GRPOModule(LightningModule):
         self.lora = lora
         if logprob_chunk_size is not None and logprob_chunk_size < 1:
             raise ConfigError(f"model.logprob_chunk_size must be >= 1 or null (got {logprob_chunk_size})")
+        if max_nonfinite_skips < 1:
+            raise ConfigError(f"model.max_nonfinite_skips must be >= 1 (got {max_nonfinite_skips})")
+        self.nonfinite = NonFiniteGuard(max_nonfinite_skips)
         self.reward_specs = rewards or [RewardSpec("exact_answer")]
         # Resolve reward functions now: an unknown name or a failing import is reported before any model loads.
         fns = [spec.build() for spec in self.reward_specs]
@@ -146,13 +155,9 @@ class GRPOModule(LightningModule):
             return build_char_tokenizer()
         tokenizer = AutoTokenizer.from_pretrained(self.hparams.model_name_or_path)
         tokenizer.padding_side = "left"  # generation appends to the right end of every prompt
-        if tokenizer.pad_token is None:
-            if tokenizer.eos_token is None:
-                raise ConfigError(f"the tokenizer of {self.hparams.model_name_or_path!r} has neither pad nor eos token")
-            tokenizer.pad_token = tokenizer.eos_token  # safe: padding is masked out everywhere
-        if tokenizer.eos_token_id is None:
-            raise ConfigError(f"the tokenizer of {self.hparams.model_name_or_path!r} has no eos token")
-        return tokenizer
+        name = self.hparams.model_name_or_path
+        # A missing eos comes from the model config, a missing pad is eos (masked out everywhere); with a warning.
+        return fix_special_tokens(tokenizer, name, model_eos_token_id(name) if tokenizer.eos_token is None else None)
 
     def configure_model(self) -> None:
         """Build the policy and its reference model, then apply gradient checkpointing, LoRA and sharding.
@@ -171,12 +176,18 @@ class GRPOModule(LightningModule):
         if self.objective.beta > 0 and self.lora is None:
             # Under ZeRO-3 the weights are partitioned as they are created, and a partitioned model cannot be
             # deep-copied: the reference is loaded a second time instead.
+            if zero3 and self.hparams.model_name_or_path is None:
+                raise ConfigError("DeepSpeed ZeRO-3 with model.objective.beta > 0 needs model.model_name_or_path")
             self.ref = self._build_policy() if zero3 else copy.deepcopy(self.policy)
             self.ref.eval().requires_grad_(False)
         if self.hparams.gradient_checkpointing:
             # Non-reentrant checkpointing needs no input that requires grad (frozen embeddings under LoRA). The
             # cache is off for training forwards; generation asks for its own cache explicitly.
-            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable = getattr(self.policy, "activation_checkpointing_enable", None)  # transformers >= 5 name
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.policy.config.use_cache = False
         if self.lora is not None:
             self.policy = apply_lora(self.policy, self.lora)
@@ -219,6 +230,13 @@ class GRPOModule(LightningModule):
                 yield self.policy
         finally:
             self.policy.train(was_training)
+
+    def on_fit_start(self) -> None:
+        # A validate() run before fit() in the same process leaves metric states created under inference mode,
+        # which fit's own evaluation could not update: start from fresh states.
+        for metric in self.modules():
+            if isinstance(metric, Metric):
+                metric.reset()
 
     # -------------------------------------------------------------------- the pieces of a rollout round
     def _sampling_generator(self, device: torch.device) -> torch.Generator:
@@ -365,6 +383,9 @@ class GRPOModule(LightningModule):
             entropy_coef=objective.entropy_coef,
             **{name: getattr(objective, name) for name in _LOSS_OPTIONS},
         )
+        if not torch.isfinite(loss.detach()):  # name the culprit for the non-finite guard (on_before_optimizer_step)
+            terms = {"policy log-probs": logprobs, "entropy": entropy, **metrics, "loss": loss}
+            self.nonfinite.record(nonfinite_inputs(batch) + nonfinite_terms(terms, batch["loss_mask"]))
         self.log("train/loss", loss.detach(), prog_bar=False)
         self.log_dict({f"train/{name}": value for name, value in metrics.items()})
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
@@ -449,22 +470,39 @@ class GRPOModule(LightningModule):
             metric.update(num_correct, k)
             self.log(f"{stage}/pass@{name}", metric, **log)
 
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Non-finite guard: a step whose loss or gradients hold a NaN/Inf leaves the weights as they are."""
+        self.nonfinite.before_step(self, optimizer)
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        """Step the schedule, except after a step that the non-finite guard skipped."""
+        if not self.nonfinite.last_skipped:
+            super().lr_scheduler_step(scheduler, metric)
+
     # ------------------------------------------------------------------------------------- checkpoints
+    def sampling_generator_state(self) -> Tensor | None:
+        """The rollout sampling generator's state (also when restored but not used yet); None before any use."""
+        return self.generator.get_state() if self.generator is not None else self._generator_state
+
+    def set_sampling_generator_state(self, state: Tensor | None) -> None:
+        """Continue sampling from ``state`` (None: afresh from the seed); applied at the next generation."""
+        self._generator_state, self.generator = state, None
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.generator is not None:
-            checkpoint["sampling_generator"] = self.generator.get_state()
+        """Adds every rank's RNG states and sampling generator; leaves out π_ref unless it changes."""
+        checkpoint.update(module_checkpoint_state(self))
         # Unless ReferenceSync moves it, the reference is the starting model, re-created on load: checkpoints then
         # stay the size of one model.
         if not self.ref_changes:
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("ref.")}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._generator_state = checkpoint.get("sampling_generator")
-        self.generator = None
-        if self.ref is not None:
+        """Refuses another model's checkpoint; restores π_ref (saved or the starting one), RNGs and the guard."""
+        if self.ref is not None and "state_dict" in checkpoint:
             state = checkpoint["state_dict"]
             for key, value in self.ref.state_dict().items():
                 state.setdefault(f"ref.{key}", value)
+        restore_module_checkpoint(self, checkpoint)
 
     def objective_summary(self) -> dict[str, Any]:
         """The sampling and objective settings as one flat dict (for logs and reports)."""

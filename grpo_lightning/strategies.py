@@ -39,15 +39,20 @@ class FSDP2Strategy(ModelParallelStrategy):
     Face folder.
     """
 
-    def __init__(self, data_parallel_size: int | str = "auto", **kwargs: Any) -> None:
+    def __init__(self, data_parallel_size: int | str = "auto", weights_only: bool = False, **kwargs: Any) -> None:
         """
         Args:
             data_parallel_size: processes that shard the model; ``auto`` = all of them.
+            weights_only: ``torch.load``'s setting for the checkpoint's ``meta.pt`` on resume. ``False`` by
+                default: the saved hyperparameters hold config objects (``RewardSpec``, ...), and Lightning does not
+                pass ``fit(weights_only=...)`` on to strategies that restore after setup, as this one does. Resume
+                only from checkpoints you trust.
             **kwargs: the other arguments of ``ModelParallelStrategy`` (``save_distributed_checkpoint``,
                 ``process_group_backend``, ``timeout``); ``tensor_parallel_size`` defaults to 1.
         """
         kwargs.setdefault("tensor_parallel_size", 1)
         super().__init__(data_parallel_size=data_parallel_size, **kwargs)
+        self.weights_only = weights_only
 
     def setup_environment(self) -> None:
         if self._data_parallel_size == "auto":
@@ -63,6 +68,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         keeps the weights ``configure_model`` gave it.
         """
         path = Path(self.broadcast(checkpoint_path))
+        weights_only = self.weights_only if weights_only is None else weights_only
         module = self.lightning_module
         ref = getattr(module, "ref", None)
         if not path.is_dir() or ref is None or _checkpoint_has(path, "state_dict.ref."):
@@ -146,12 +152,19 @@ def broadcast_module(model: nn.Module, src: int = 0, *, trainable_only: bool = F
     sharding, since each rank keeps its own slice of its own copy."""
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return
+    # NCCL moves CUDA tensors only, and configure_model builds the model on the CPU: go through the GPU then.
+    nccl = "nccl" in str(torch.distributed.get_backend()).lower()
     with torch.no_grad():
         tensors = [p for p in model.parameters() if p.requires_grad or not trainable_only]
         if not trainable_only:
             tensors += list(model.buffers())
         for tensor in tensors:
-            torch.distributed.broadcast(tensor.data, src=src)
+            if nccl and tensor.device.type != "cuda":
+                buffer = tensor.data.to(torch.device("cuda", torch.cuda.current_device()))
+                torch.distributed.broadcast(buffer, src=src)
+                tensor.data.copy_(buffer)
+            else:
+                torch.distributed.broadcast(tensor.data, src=src)
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from lightning import Callback, Trainer
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.cli import TRAINER_DEFAULTS
+from grpo_lightning.lora import LoraConfig
 from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
 from grpo_lightning.rewards import RewardSpec, register
 from grpo_lightning.rollout.generation import Completions
@@ -35,12 +36,13 @@ WORLD, GROUP, PROMPTS = 2, 4, 4  # PROMPTS per round in all, split over the rank
 # Equivalence runs exercise the cross-rank reductions: a token-level loss over the whole mini-batch (dapo) and
 # advantages scaled by the std of the whole batch; micro-batches with gradient accumulation on top.
 EQUIVALENCE = {"loss_type": "dapo", "advantage_scale": "batch"}
+SGD_LR = 0.5
 
 
-@register("dist_length")
-def length_reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
-    """The completion's length: rewards with spread for any model."""
-    return [float(len(c)) for c in completions]
+@register("dist_checksum")
+def checksum_reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    """A function of the completion's characters: rewards with spread even for a random model's completions."""
+    return [float(sum(map(ord, c)) % 5) for c in completions]
 
 
 class FixedRolloutModule(GRPOModule):
@@ -65,6 +67,11 @@ class FixedRolloutModule(GRPOModule):
             completion_mask=masks,
             truncated=masks.sum(-1) == length,
         )
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # Plain SGD: the update is proportional to the gradient, so a gradient off by a constant factor (a count
+        # or a std taken on one rank instead of all) shows, where Adam's normalised step would hide it.
+        return torch.optim.SGD([p for p in self.policy.parameters() if p.requires_grad], lr=SGD_LR)
 
 
 class Record(Callback):
@@ -99,17 +106,19 @@ def make_run(
     epochs: int = 3,
     fixed: bool = False,
     checkpoints: bool = False,
+    **module_options: Any,
 ) -> tuple[GRPOModule, RolloutDataModule, Trainer, Record]:
     """A tiny GRPO run: ``PROMPTS`` prompts per round over all ranks, G=4, one optimizer step of 2 micro-batches."""
     per_rank = PROMPTS // devices
     rollout = per_rank * GROUP
     module = (FixedRolloutModule if fixed else GRPOModule)(
         model_name_or_path=model_dir,
-        rewards=[RewardSpec("dist_length")],
+        rewards=[RewardSpec("dist_checksum")],
         sampling=SamplingConfig(group_size=GROUP, max_new_tokens=4),
         objective=ObjectiveConfig(beta=0.04, **(EQUIVALENCE if fixed else {})),
         lr=1e-3,
         logprob_chunk_size=5,  # several chunks per micro-batch, some spanning rows
+        **module_options,
     )
     data = RolloutDataModule(
         prompts_per_round=per_rank,
@@ -131,7 +140,7 @@ def make_run(
         strategy=strategy,
         max_epochs=epochs,
         accumulate_grad_batches=2,
-        gradient_clip_val=1.0,
+        gradient_clip_val=None if fixed else 1.0,  # clipping would hide a gradient's scale too
         limit_val_batches=0,
         logger=False,
         enable_checkpointing=checkpoints,
@@ -189,6 +198,21 @@ def worker(out: Path, model_dir: str) -> None:
         logits = module.policy(input_ids=probe).logits  # a sharded forward: every rank takes part
     if rank == 0:
         torch.save({"input_ids": probe, "logits": logits}, out / "fsdp_logits.pt")
+
+    # FSDP2 with LoRA (reference = adapter disabled) and gradient checkpointing.
+    module, data, trainer, record = make_run(
+        model_dir,
+        out / "fsdp_lora",
+        strategy=FSDP2Strategy(),
+        devices=WORLD,
+        epochs=2,
+        lora=LoraConfig(r=4, alpha=8),
+        gradient_checkpointing=True,
+    )
+    trainer.fit(module, datamodule=data)
+    lora = finish("fsdp_lora", module, trainer, record)
+    results["fsdp_lora"]["changed"] = sorted(k for k in lora if not torch.equal(lora[k], record.start_weights[k]))
+    if rank == 0:
         (out / "results.json").write_text(json.dumps(results))
 
 
@@ -266,6 +290,14 @@ def test_fsdp_checkpoint_resume_and_consolidation(two_processes: tuple[Path, dic
     with torch.no_grad():
         logits = model(input_ids=probe["input_ids"]).logits
     torch.testing.assert_close(logits, probe["logits"], atol=1e-5, rtol=1e-5)
+
+
+def test_fsdp_lora_trains_adapters_only(two_processes: tuple[Path, dict[str, Any]]) -> None:
+    _, results = two_processes
+    run = results["fsdp_lora"]
+    assert run["global_step"] == 2 and all(math.isfinite(loss) for loss in run["losses"])
+    assert run["rank_max_diff"] == 0.0
+    assert run["changed"] and all("lora_" in k for k in run["changed"])
 
 
 def test_deepspeed_zero2_one_step(tmp_path: Path, model_dir: str) -> None:

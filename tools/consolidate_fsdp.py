@@ -5,19 +5,22 @@
 ``FSDP2Strategy`` / ``ModelParallelStrategy`` save a checkpoint as a folder: one shard file per rank (PyTorch
 distributed checkpoint format) plus ``meta.pt`` (hyperparameters, loop state). This script rebuilds the module
 from the saved hyperparameters, reads the policy's shards into it in one process (no process group, no GPU; one
-full copy of the policy in memory), merges LoRA adapters if there are any, and writes ``save_pretrained`` output
-with the tokenizer. A single-file ``.ckpt`` (DDP, one device) is accepted too.
+full copy of the policy in memory) and exports it as ``tools/export_hf.py`` does (LoRA adapters merged, tokenizer
+and generation config alongside). A single-file ``.ckpt`` (DDP, one device) is handed to ``export_hf.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
 
-from grpo_lightning.lora import is_peft_model
 from grpo_lightning.module import GRPOModule
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ is a folder of scripts, not a package
+from export_hf import export_checkpoint, export_module  # noqa: E402
 
 _PREFIX = "policy."
 
@@ -43,46 +46,30 @@ def _load_sharded(path: Path, state: dict[str, torch.Tensor]) -> tuple[set[str],
     return set(present), dtypes
 
 
-def _load_single_file(path: Path, state: dict[str, torch.Tensor]) -> tuple[set[str], dict[str, torch.dtype]]:
-    saved = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
-    found, dtypes = set(), {}
-    with torch.no_grad():
-        for key, tensor in state.items():
-            if key in saved:
-                tensor.copy_(saved[key])
-                found.add(key)
-                dtypes[key] = saved[key].dtype
-    return found, dtypes
-
-
 def consolidate(checkpoint: str | Path, output: str | Path, *, dtype: torch.dtype | None = None) -> Path:
     """Write the policy of ``checkpoint`` (sharded folder or single file) as a Hugging Face folder ``output``.
 
     ``dtype`` defaults to the dtype the weights were trained in.
     """
-    checkpoint, output = Path(checkpoint), Path(output)
-    sharded = checkpoint.is_dir()
-    meta = torch.load(checkpoint / "meta.pt" if sharded else checkpoint, map_location="cpu", weights_only=False)
+    checkpoint = Path(checkpoint)
+    if not checkpoint.is_dir():  # a single-file checkpoint holds full weights already
+        return export_checkpoint(checkpoint, output, dtype=str(dtype).removeprefix("torch.") if dtype else None)
+    # Unpickled in full, as Lightning resumes: the hyperparameters hold the run's config objects.
+    meta = torch.load(checkpoint / "meta.pt", map_location="cpu", weights_only=False)
     module = GRPOModule(**meta["hyper_parameters"])
     module.configure_model()
     # The module's own tensors, keyed as in the checkpoint; loading writes into them.
     state = {key: value for key, value in module.state_dict(keep_vars=False).items() if key.startswith(_PREFIX)}
-    found, dtypes = (_load_sharded if sharded else _load_single_file)(checkpoint, state)
+    found, dtypes = _load_sharded(checkpoint, state)
     loaded_storage = {state[key].untyped_storage().data_ptr() for key in found}
     missing = [k for k in state if k not in found and state[k].untyped_storage().data_ptr() not in loaded_storage]
     if missing:
         raise SystemExit(f"{checkpoint} lacks {len(missing)} policy weights, e.g. {missing[:3]}")
-    policy = module.policy
-    if is_peft_model(policy):
-        policy = policy.merge_and_unload()  # adapters folded into the base weights: a plain model again
-    if dtype is None:
+    if dtype is None:  # as trained: the dtype most weights were saved in
         dtype = max(set(dtypes.values()), key=list(dtypes.values()).count) if dtypes else torch.float32
-    policy = policy.to(dtype)
-    policy.config.use_cache = True  # gradient checkpointing turned it off for training
-    output.mkdir(parents=True, exist_ok=True)
-    policy.save_pretrained(output)
-    module.tokenizer.save_pretrained(output)
-    return output
+    module.policy.config.use_cache = True  # gradient checkpointing turned it off for training
+    # export_hf.export_module: LoRA adapters merged, tokenizer and generation config written alongside.
+    return export_module(module, output, dtype=str(dtype).removeprefix("torch."))
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import struct
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ class RunLog:
     config: dict[str, Any] = field(default_factory=dict)
     tables: dict[str, dict[str, Any]] = field(default_factory=dict)  # key → {"columns": [...], "data": [[...]]}
     artifacts: list[tuple[str, str]] = field(default_factory=list)  # (name, type)
+    finished: bool = True  # False for a W&B run whose file has no exit record yet (running, or still being written)
 
     def keys(self) -> set[str]:
         """Every metric name logged at least once."""
@@ -83,10 +85,12 @@ def read_wandb_run(path: str | Path) -> RunLog:
     """History, config, tables and artifacts of an offline W&B run (its directory or its ``.wandb`` file)."""
     path = Path(path)
     file = path if path.is_file() else _single(sorted(path.glob("run-*.wandb")), path)
-    log = RunLog()
+    log = RunLog(finished=False)
     for record in wandb_records(file):
         kind = record.WhichOneof("record_type")
-        if kind == "history":
+        if kind == "exit":
+            log.finished = True
+        elif kind == "history":
             row: dict[str, Any] = {}
             for item in record.history.item:
                 _set(row, item.key, item.nested_key, item.value_json)
@@ -140,7 +144,18 @@ def find_run(path: str | Path) -> Path:
     return _single(sorted(path.glob("**/metrics.csv"), key=lambda p: p.stat().st_mtime), path)
 
 
-def load_run(path: str | Path) -> RunLog:
-    """``read_wandb_run`` or ``read_csv_metrics``, whichever ``find_run(path)`` finds."""
+def load_run(path: str | Path, wait_s: float = 0.0) -> RunLog:
+    """``read_wandb_run`` or ``read_csv_metrics``, whichever ``find_run(path)`` finds.
+
+    ``wait_s``: wait up to this long for a W&B run to be complete. ``wandb.finish()`` can return before W&B's
+    service process has written the run file out, so a run read right after it may still be empty.
+    """
     file = find_run(path)
-    return read_wandb_run(file) if file.suffix == ".wandb" else read_csv_metrics(file)
+    if file.suffix != ".wandb":
+        return read_csv_metrics(file)
+    deadline = time.monotonic() + wait_s
+    log = read_wandb_run(file)
+    while not log.finished and time.monotonic() < deadline:
+        time.sleep(0.2)
+        log = read_wandb_run(file)
+    return log

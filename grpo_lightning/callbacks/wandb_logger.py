@@ -88,6 +88,8 @@ class GRPOWandbLogger(WandbLogger):
             kwargs.setdefault("mode", mode)
         # Lightning's own offline flag rewrites WANDB_MODE process-wide; passing ``mode`` keeps it to this run.
         super().__init__(name=name, save_dir=save_dir, project=project, offline=False, **kwargs)
+        # Unset wandb.init arguments mean "W&B's default"; passing them as None only earns warnings (anonymous).
+        self._wandb_init = {key: value for key, value in self._wandb_init.items() if value is not None}
         self.log_code, self.code_dir = log_code, code_dir
         self._code_logged = False
 

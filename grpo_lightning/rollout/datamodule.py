@@ -8,6 +8,7 @@ mini-batches (one optimizer step each) of micro-batches (one forward each).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,13 @@ from torch.utils.data import DataLoader
 from grpo_lightning.config import ConfigError
 from grpo_lightning.rewards import check_required_columns
 from grpo_lightning.rollout.batch import RolloutBatch
+from grpo_lightning.rollout.curriculum import CurriculumConfig, CurriculumSampler
 from grpo_lightning.rollout.round import collect_rollout
 from grpo_lightning.strategies import rollout_context
 from grpo_lightning.tasks import is_task, load_task
+from grpo_lightning.validation import check_prompts
+
+log = logging.getLogger(__name__)
 
 _FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -82,6 +87,7 @@ class RolloutDataModule(LightningDataModule):
         dynamic_sampling: bool = False,
         max_sampling_rounds: int = 4,
         seed: int = 0,
+        curriculum: CurriculumConfig | None = None,
     ) -> None:
         """
         Args:
@@ -103,6 +109,8 @@ class RolloutDataModule(LightningDataModule):
             max_sampling_rounds: cap on generations per round with dynamic sampling (then the rollout is topped
                 up with uninformative groups, so its size never changes).
             seed: seed of the prompt order (one shuffle per pass over the dataset).
+            curriculum: draw prompts by their recent pass rate instead of in shuffled order, preferring those
+                neither always nor never solved (``rollout/curriculum.py``); logs ``curriculum/`` metrics.
         """
         super().__init__()
         if prompts_per_round < 1:
@@ -120,6 +128,7 @@ class RolloutDataModule(LightningDataModule):
         self.position = 0  # prompts consumed so far, over all ranks: the resumable place in the stream
         self.last_rollout: RolloutBatch | None = None
         self._order: tuple[int, torch.Tensor] | None = None  # (pass over the dataset, its shuffled order)
+        self.curriculum = CurriculumSampler(curriculum, seed) if curriculum is not None else None
 
     # ----------------------------------------------------------------------------------------------- data
     def _prepare(self, data: Dataset, where: str) -> Dataset:
@@ -140,10 +149,13 @@ class RolloutDataModule(LightningDataModule):
         return data
 
     def setup(self, stage: str) -> None:
+        """Load and check the prompts (before any model is built): columns, prompts, lengths, batch sizes."""
         if stage == "fit" and self.train_data is None:
             data = load_prompts(self.source, self.train_split, subset=self.subset, task_kwargs=self.task_kwargs)
-            self.train_data = self._prepare(data, f"data.dataset ({self.source}, split {self.train_split})")
+            where = f"data.dataset ({self.source}, split {self.train_split})"
+            self.train_data = self._prepare(data, where)
             self._check_batch_sizes()
+            self._check_prompts(self.train_data, where)
         if self.val_split is not None and self.val_data is None:
             source = self.val_dataset or self.source
             setting = "data.val_dataset" if self.val_dataset else "data.dataset"
@@ -152,7 +164,14 @@ class RolloutDataModule(LightningDataModule):
             )
             if self.val_limit is not None:
                 data = data.select(range(min(self.val_limit, len(data))))
-            self.val_data = self._prepare(data, f"validation data ({source}, split {self.val_split})")
+            where = f"validation data ({source}, split {self.val_split})"
+            self.val_data = self._prepare(data, where)
+            self._check_prompts(self.val_data, where)
+
+    def _check_prompts(self, data: Dataset, where: str) -> None:
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        if module is not None:
+            check_prompts(module, data, where)  # non-empty, and prompt + completion within the model's context
 
     def _check_batch_sizes(self) -> None:
         rollout = self.prompts_per_round * self.trainer.lightning_module.sampling.group_size
@@ -175,7 +194,10 @@ class RolloutDataModule(LightningDataModule):
         """This rank's next ``prompts_per_round`` rows; the stream position advances for all ranks at once."""
         world, rank = self.trainer.world_size, self.trainer.global_rank
         start = self.position + rank * self.prompts_per_round
-        indices = [self._stream_index(start + i) for i in range(self.prompts_per_round)]
+        if self.curriculum is not None:  # the curriculum picks the prompts; the position still counts them
+            indices = self.curriculum.draw(len(self.train_data), self.prompts_per_round, rank=rank, world_size=world)
+        else:
+            indices = [self._stream_index(start + i) for i in range(self.prompts_per_round)]
         self.position += self.prompts_per_round * world
         return _collate_rows([self.train_data[i] for i in indices])
 
@@ -203,6 +225,8 @@ class RolloutDataModule(LightningDataModule):
                 max_sampling_rounds=self.max_sampling_rounds,
                 all_gather=module.all_gather,
             )
+        if self.curriculum is not None:  # feed the round's pass rates back; adds curriculum/ metrics to the rollout
+            self.curriculum.observe(self.last_rollout, lambda i: self.train_data[i]["prompt"], module)
         rollout_size = len(self.last_rollout)
         mini = self.mini_batch_size or rollout_size
         batches = self.last_rollout.micro_batches(
@@ -212,10 +236,14 @@ class RolloutDataModule(LightningDataModule):
             generator=torch.Generator().manual_seed(self.seed + self.position),
             sum_across_ranks=sum_across_ranks,
         )
-        # The batches are ready-made: no sampler, no worker processes, nothing for Lightning to re-split.
-        return DataLoader(batches, batch_size=None, shuffle=False)
+        # The batches are ready-made: no sampler, no worker processes, nothing for Lightning to re-split. A
+        # generator of its own: creating an iterator draws a seed, and from the global RNG that draw would differ
+        # between a resumed run and an uninterrupted one (Lightning creates one iterator fewer on resume).
+        return DataLoader(batches, batch_size=None, shuffle=False, generator=torch.Generator())
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_split is None:
+            return []  # validation off: Lightning skips an empty loader list
         return self._eval_loader()
 
     def test_dataloader(self) -> DataLoader:
@@ -231,7 +259,36 @@ class RolloutDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        return {"position": self.position, "seed": self.seed}
+        """The place in the prompt stream; the order itself is a function of the seed and the position."""
+        state = {
+            "position": self.position,
+            "seed": self.seed,
+            "dataset": self.source,
+            "prompts_per_round": self.prompts_per_round,
+        }
+        if self.curriculum is not None:  # the per-prompt pass rates: a key of its own
+            state["curriculum"] = self.curriculum.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.position = int(state_dict["position"])
+        """Continue the prompt stream where the checkpoint left it (the data settings should be the same)."""
+        position = state_dict.get("position")
+        if not isinstance(position, int) or position < 0:
+            raise ConfigError(f"the checkpoint's prompt stream position is {position!r}, not a count of prompts")
+        self.position = position
+        changed = [
+            f"data.{key}={state_dict[key]!r}"
+            for key, value in (
+                ("seed", self.seed),
+                ("dataset", self.source),
+                ("prompts_per_round", self.prompts_per_round),
+            )
+            if key in state_dict and state_dict[key] != value
+        ]
+        if changed:
+            # Allowed (a new dataset or seed can be intended), but the run then differs from an uninterrupted one.
+            log.warning(
+                "resuming a prompt stream made with %s; it continues at position %d", ", ".join(changed), position
+            )
+        if self.curriculum is not None and "curriculum" in state_dict:
+            self.curriculum.load_state_dict(state_dict["curriculum"])

@@ -1,0 +1,396 @@
+"""Checkpoints that resume a run exactly: saved at round boundaries, written atomically, also on SIGTERM.
+
+- :class:`RoundCheckpoint` (a ``ModelCheckpoint``) saves every ``every_n_rounds`` rounds, after every other
+  end-of-round hook (so the adaptive β of ``KLController`` is already updated), and keeps ``last.ckpt`` for
+  ``--ckpt_path last``. A SIGTERM (pre-emption) during a rollout stops the run at once with a checkpoint of the last
+  completed round; one during the update lets the round finish, then saves it and stops. A run that fails during a
+  rollout (a reward function that raises, say) also leaves a checkpoint of the last completed round.
+- :class:`AtomicCheckpointIO` writes each file to a temporary file in the same folder, fsyncs it and renames it
+  over the target: a kill mid-write leaves the previous checkpoint intact, and the temporary name never matches
+  ``last*.ckpt``. ``RoundCheckpoint`` installs it unless the strategy has a checkpoint IO of its own.
+- :func:`collect_rng_states` / :func:`restore_rng_states`: the global RNGs (torch, CUDA, numpy, python) that
+  ``GRPOModule`` keeps in its checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from lightning import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from grpo_lightning.config import ConfigError, ObjectiveConfig, SamplingConfig
+from grpo_lightning.lora import LoraConfig
+from grpo_lightning.models.tiny import TinyModelConfig
+from grpo_lightning.rewards.combine import RewardSpec
+from grpo_lightning.validation import check_checkpoint_hparams, check_state_dict_shapes
+
+if TYPE_CHECKING:
+    from grpo_lightning.module import GRPOModule
+
+log = logging.getLogger(__name__)
+
+# Test hook: seconds to sleep once a checkpoint's bytes are written but before the file is renamed into place, so
+# that a test can kill the process in the middle of a write.
+WRITE_DELAY_ENV = "GRPO_CHECKPOINT_WRITE_DELAY_S"
+_TMP_MARKER = ".tmp-"
+
+# Lightning loads checkpoints with ``torch.load(weights_only=True)``: the settings objects saved with the
+# hyperparameters must be allowed explicitly, or every resume fails to unpickle them.
+torch.serialization.add_safe_globals([TinyModelConfig, SamplingConfig, ObjectiveConfig, RewardSpec, LoraConfig])
+
+
+# ------------------------------------------------------------------------------------------------ RNG states
+def collect_rng_states() -> dict[str, Any]:
+    """The global RNG states: torch, CUDA (if initialised), numpy and python, in types ``weights_only`` loads."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    states: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        # A numpy array would need numpy's globals allowed for weights_only loading: keep the key as a tensor.
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def restore_rng_states(states: dict[str, Any]) -> None:
+    """Set the global RNGs from :func:`collect_rng_states`' output (missing entries are left alone)."""
+    if "torch" in states:
+        torch.set_rng_state(states["torch"])
+    if "numpy" in states:
+        kind, keys, pos, has_gauss, cached = states["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "python" in states:
+        version, internal, gauss = states["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+# ------------------------------------------------------------------------------- GRPOModule's checkpoint part
+def module_checkpoint_state(module: GRPOModule) -> dict[str, Any]:
+    """What ``GRPOModule.on_save_checkpoint`` adds: every rank's RNG states and sampling generator, the guard.
+
+    Called on every rank (``trainer.save_checkpoint`` runs the hook everywhere), so the ranks' states can be
+    gathered into the file that rank 0 writes.
+    """
+    local = {**collect_rng_states(), "sampling_generator": module.sampling_generator_state()}
+    trainer = module._trainer
+    world = trainer.world_size if trainer is not None else 1
+    if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        per_rank: list[Any] = [None] * world
+        torch.distributed.all_gather_object(per_rank, local)
+    else:
+        per_rank = [local]
+    return {
+        "sampling_generator": per_rank[0]["sampling_generator"],  # rank 0's, as older checkpoints have it
+        "rng_states": per_rank,
+        "nonfinite_guard": module.nonfinite.state_dict(),
+    }
+
+
+def restore_module_checkpoint(module: GRPOModule, checkpoint: dict[str, Any]) -> None:
+    """``GRPOModule.on_load_checkpoint``: refuse another model's checkpoint, then restore the RNGs and loops."""
+    trainer = module._trainer
+    source = repr(str(getattr(trainer, "ckpt_path", None) or "")) if trainer is not None else "''"
+    saved = checkpoint.get("hyper_parameters") or {}
+    current = {k: v for k, v in module.hparams.items() if not k.startswith("_")}
+    changed = check_checkpoint_hparams({k: v for k, v in saved.items() if not k.startswith("_")}, current, source)
+    if changed:
+        log.warning("checkpoint %s was made with other values of %s; the config's apply", source, ", ".join(changed))
+    state = checkpoint.get("state_dict")
+    if state is not None:
+        if module.ref is None:
+            # β is 0 now: no reference model to load a saved one into.
+            for key in [k for k in state if k.startswith("ref.")]:
+                del state[key]
+        check_state_dict_shapes(state, module.state_dict(), source)
+    rank = module.global_rank
+    per_rank = checkpoint.get("rng_states")
+    if per_rank:
+        if len(per_rank) != (trainer.world_size if trainer is not None else 1):
+            log.warning("checkpoint %s was made by %d processes: the sampling streams change", source, len(per_rank))
+        entry = per_rank[rank] if rank < len(per_rank) else {}
+        restore_rng_states(entry)
+        module.set_sampling_generator_state(entry.get("sampling_generator"))
+    else:  # older checkpoints: rank 0's generator only
+        module.set_sampling_generator_state(checkpoint.get("sampling_generator") if rank == 0 else None)
+    module.nonfinite.load_state_dict(checkpoint.get("nonfinite_guard", {}))
+    complete_round_in_loops(checkpoint)
+
+
+def complete_round_in_loops(checkpoint: dict[str, Any]) -> None:
+    """Mark a round saved at its end (``on_train_epoch_end``) as completed in the fit loop's progress.
+
+    Lightning counts such an epoch as completed only after the save. Resumed as saved, the fit loop first builds
+    a train loader (one rollout) and then, being an epoch further, reloads it (a second rollout): the first one's
+    prompts and samples would be lost, and the run would no longer match an uninterrupted one.
+    """
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress")
+    if not progress:
+        return
+    parts = [progress.get("total"), progress.get("current")]
+    if all(p and p["ready"] == p["started"] == p["processed"] == p["completed"] + 1 for p in parts):
+        for p in parts:
+            p["completed"] = p["processed"]
+
+
+# ----------------------------------------------------------------------------------------------- atomic IO
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``torch.save`` to a temporary file next to the target, fsync, then ``os.replace`` (atomic on POSIX).
+
+    Lightning's own writer stages the bytes in memory and in the system temp folder, then moves them: a copy, not a
+    rename, when that folder is on another file system, and nothing is fsynced. Remote paths (``s3://``...) keep
+    Lightning's writer.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
+        """Write ``checkpoint`` to ``path`` so that ``path`` is at every moment either the old or the new file."""
+        if storage_options is not None or "://" in str(path):
+            super().save_checkpoint(checkpoint, path, storage_options)
+            return
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Same folder, so the rename cannot cross file systems; a name ending in neither .ckpt nor "last".
+        tmp = target.parent / f".{target.name}{_TMP_MARKER}{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                delay = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
+                if delay > 0:
+                    time.sleep(delay)
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(target.parent)  # the rename itself survives a power cut only once the folder is synced
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some platforms cannot open folders; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def remove_partial_checkpoints(dirpath: str | Path) -> list[Path]:
+    """Delete the temporary files that a write killed mid-way left in ``dirpath``; returns what was removed."""
+    folder = Path(dirpath)
+    if not folder.is_dir():
+        return []
+    removed = [p for p in folder.glob(f".*{_TMP_MARKER}*") if p.is_file()]
+    for p in removed:
+        p.unlink(missing_ok=True)
+    return removed
+
+
+# --------------------------------------------------------------------------------------------- the callback
+class RoundCheckpoint(ModelCheckpoint):
+    """Round-boundary checkpoints for exact resume (``--ckpt_path last``), written atomically.
+
+    The filename template may use ``{round}``: the number of rounds completed (``{epoch}`` is that minus one).
+    """
+
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        filename: str = "round{round:04d}",
+        every_n_rounds: int = 1,
+        save_top_k: int = 1,
+        save_last: bool = True,
+        save_weights_only: bool = False,
+        stop_on_sigterm: bool = True,
+        verbose: bool = False,
+    ) -> None:
+        """
+        Args:
+            dirpath: folder of the checkpoints (default: ``<default_root_dir or logger dir>/checkpoints``).
+            filename: template of the periodic checkpoints' names (``{round}``, ``{epoch}``, ``{step}``).
+            every_n_rounds: save every N rounds.
+            save_top_k: periodic checkpoints to keep (the newest ones); -1 keeps all.
+            save_last: also keep ``last.ckpt``, the newest checkpoint, for ``--ckpt_path last``.
+            save_weights_only: weights only (such a checkpoint cannot resume training).
+            stop_on_sigterm: on SIGTERM, save the last completed round and stop (otherwise Lightning's default).
+            verbose: log every save.
+        """
+        if every_n_rounds < 1:
+            raise ConfigError(f"RoundCheckpoint.every_n_rounds must be >= 1 (got {every_n_rounds})")
+        super().__init__(
+            dirpath=dirpath,
+            filename=filename,
+            save_last=save_last,
+            save_top_k=save_top_k,
+            save_weights_only=save_weights_only,
+            every_n_epochs=every_n_rounds,
+            # Round boundaries only: after validation and after every other callback's end-of-round hook.
+            save_on_train_epoch_end=True,
+            auto_insert_metric_name=False,
+            verbose=verbose,
+        )
+        self.stop_on_sigterm = stop_on_sigterm
+        self._sigterm = False
+        self._previous_handler: Any = None
+        self._handler_installed = False
+        # Between rounds (from the end of one round's update to the start of the next one's) the weights,
+        # optimizer and callbacks hold the last completed round; only the prompt stream and the RNGs move, as the
+        # rollout draws from them. Their values at the boundary make a checkpoint of that round possible then.
+        self._at_boundary = False
+        self._boundary: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------------------------------ naming
+    def format_checkpoint_name(
+        self, metrics: dict[str, Any], filename: str | None = None, ver: int | None = None, prefix: str | None = None
+    ) -> str:
+        """Lightning's naming, plus ``{round}`` = epoch + 1, the rounds completed when the file is written."""
+        if "epoch" in metrics and "round" not in metrics:
+            metrics = {**metrics, "round": metrics["epoch"] + 1}
+        return super().format_checkpoint_name(metrics, filename=filename, ver=ver, prefix=prefix)
+
+    # ----------------------------------------------------------------------------------------- hooks
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Resolve the folder, install the atomic writer, clear what a killed write left behind."""
+        super().setup(trainer, pl_module, stage)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a strategy's own (distributed) IO
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        if stage == "fit" and trainer.is_global_zero and self.dirpath and "://" not in str(self.dirpath):
+            for path in remove_partial_checkpoints(self.dirpath):
+                log.info("removed %s, left by a checkpoint write that did not finish", path)
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Take the boundary state; install the SIGTERM handler (Lightning composes it with its own for now)."""
+        self._sigterm = False
+        self._install_handler()
+        self._take_boundary(trainer, pl_module)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Replace Lightning's SIGTERM handler, which would stop the run mid-round, by ours alone."""
+        self._install_handler(exclusive=True)
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The rollout is done and the update begins: from now on the round is incomplete."""
+        self._at_boundary = False
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Periodic save; on a pending SIGTERM, save this round (if not saved just now) and stop."""
+        super().on_train_epoch_end(trainer, pl_module)
+        if self.stop_on_sigterm and trainer.strategy.reduce_boolean_decision(self._sigterm, all=False):
+            if getattr(self, "_last_global_step_saved", None) != trainer.global_step:
+                self._save_last_round(trainer)
+            rounds = trainer.fit_loop.epoch_progress.current.processed
+            log.warning("SIGTERM: stopping after round %d, saved in %s", rounds, self.last_model_path)
+            trainer.should_stop = True
+        self._take_boundary(trainer, pl_module)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The run is over: ``last.ckpt`` gets its final round even when that is not a multiple of N."""
+        if self.save_last and getattr(self, "_last_global_step_saved", None) != trainer.global_step:
+            self._save_last_round(trainer)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """A failure (or SIGTERM) during a rollout: save the last completed round, which nothing has changed."""
+        super().on_exception(trainer, pl_module, exception)
+        if not self._at_boundary or self._boundary is None or trainer.world_size > 1:
+            # Mid-round the last completed round is no longer in memory; under data parallelism the other ranks
+            # may not be here to take part in a save.
+            if self.last_model_path:
+                log.warning("the last checkpoint is %s", self.last_model_path)
+            return
+        rounds = trainer.fit_loop.epoch_progress.current.processed
+        if rounds == 0:
+            return  # no round completed: nothing to resume from
+        self._restore_boundary(trainer, pl_module)
+        if getattr(self, "_last_global_step_saved", None) != trainer.global_step or not self.last_model_path:
+            self._save_last_round(trainer)
+        log.warning(
+            "%s during the rollout of round %d: round %d is saved in %s (resume with --ckpt_path last)",
+            "SIGTERM" if isinstance(exception, SIGTERMException) else type(exception).__name__,
+            rounds + 1,
+            rounds,
+            self.last_model_path,
+        )
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Put back the SIGTERM handler that was there before ``fit``."""
+        if self._handler_installed:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._handler_installed = False
+        self._at_boundary, self._boundary = False, None
+
+    # ---------------------------------------------------------------------------------------- SIGTERM
+    def _install_handler(self, exclusive: bool = False) -> None:
+        if not self.stop_on_sigterm or not _in_main_thread():
+            return
+        current = signal.getsignal(signal.SIGTERM)
+        if not self._handler_installed:
+            self._previous_handler = current
+            self._handler_installed = True
+        elif not exclusive:
+            return
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self._sigterm:
+            return  # a second notice while already stopping
+        self._sigterm = True
+        if self._at_boundary and self._boundary is not None:
+            # Nothing of this round is trained yet: abandon the rollout now; on_exception saves the last round.
+            raise SIGTERMException()
+        log.warning("SIGTERM: finishing this round's update, then saving it and stopping")
+
+    # -------------------------------------------------------------------------------- boundary state
+    def _take_boundary(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.world_size > 1:
+            self._boundary, self._at_boundary = None, False
+            return
+        datamodule = trainer.datamodule
+        get_state = getattr(pl_module, "sampling_generator_state", None)
+        self._boundary = {
+            "datamodule": copy.deepcopy(datamodule.state_dict()) if datamodule is not None else None,
+            "sampling_generator": get_state() if get_state is not None else None,
+            "rng": collect_rng_states(),
+        }
+        self._at_boundary = True
+
+    def _restore_boundary(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        assert self._boundary is not None
+        if self._boundary["datamodule"] is not None and trainer.datamodule is not None:
+            trainer.datamodule.load_state_dict(self._boundary["datamodule"])
+        set_state = getattr(pl_module, "set_sampling_generator_state", None)
+        if set_state is not None:
+            set_state(self._boundary["sampling_generator"])
+        restore_rng_states(self._boundary["rng"])
+
+    def _save_last_round(self, trainer: Trainer) -> None:
+        path = self.last_model_path or self.format_checkpoint_name({}, self.CHECKPOINT_NAME_LAST)
+        if self.dirpath and Path(path).parent != Path(self.dirpath):
+            path = self.format_checkpoint_name({}, self.CHECKPOINT_NAME_LAST)
+        self.last_model_path = path  # part of this callback's state, so set before the save
+        trainer.save_checkpoint(path, self.save_weights_only)
+        self._last_global_step_saved = trainer.global_step
+
+
+def _in_main_thread() -> bool:
+    # Python accepts signal handlers from the main thread only.
+    return threading.current_thread() is threading.main_thread()

@@ -1,0 +1,142 @@
+"""The non-finite guard: a NaN/Inf loss or gradient never reaches the weights.
+
+``GRPOModule.training_step`` names what was non-finite in a micro-batch (:func:`nonfinite_inputs`,
+:func:`nonfinite_terms`); before each optimizer step :class:`NonFiniteGuard` checks the gradients too, and when
+anything was non-finite drops the gradients (the optimizer then leaves every weight, and its own state, as they
+were), logs the round and the culprit, and stops the run after ``max_skips`` such steps in a row.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+
+import torch
+from lightning import LightningModule
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient. The message names the culprit."""
+
+
+def _local(t: Tensor) -> Tensor:
+    # FSDP2 gradients are DTensors: each rank checks its own shard (the decision is then shared).
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _finite(values: Tensor, mask: Tensor | None = None) -> bool:
+    values = _local(values)
+    if mask is not None and mask.shape == values.shape:
+        values = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
+    return bool(torch.isfinite(values).all())
+
+
+def nonfinite_inputs(batch: Mapping[str, Tensor]) -> list[str]:
+    """The rollout inputs of a micro-batch that hold a NaN/Inf where the loss reads them."""
+    mask = batch.get("loss_mask")
+    names = {
+        "advantages": "advantages (from the rewards)",
+        "old_logprobs": "old-policy log-probs",
+        "ref_logprobs": "reference log-probs (the KL term)",
+    }
+    return [label for key, label in names.items() if batch.get(key) is not None and not _finite(batch[key], mask)]
+
+
+def nonfinite_terms(terms: Mapping[str, Tensor | None], mask: Tensor | None = None) -> list[str]:
+    """The names of ``terms`` (log-probs, entropy, loss parts) that are not finite (under ``mask``, if given)."""
+    return [name for name, value in terms.items() if value is not None and not _finite(value.detach(), mask)]
+
+
+class NonFiniteGuard:
+    """Per-step bookkeeping of non-finite values; see the module docstring."""
+
+    def __init__(self, max_skips: int = 3) -> None:
+        """
+        Args:
+            max_skips: stop the run once this many optimizer steps in a row were skipped.
+        """
+        self.max_skips = max_skips
+        self.consecutive = 0  # skipped steps in a row
+        self.total = 0  # skipped steps in the whole run
+        self._culprits: list[str] = []  # what the micro-batches of the pending optimizer step found
+        self.last_skipped = False  # whether the latest optimizer step was skipped (the LR schedule waits too)
+
+    def before_step(self, module: LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        """``on_before_optimizer_step``: skip the step (drop every gradient) if anything was non-finite."""
+        trainer = module.trainer
+        # Under fp16 AMP the GradScaler itself skips steps with inf gradients and lowers its scale, routinely at
+        # the start of a run: counting those would stop healthy runs. The loss and its inputs are still checked.
+        scaled = str(trainer.precision).startswith("16")
+        culprits = self.should_skip([] if scaled else self.nonfinite_gradients(module.named_parameters()))
+        # Every rank skips if any has to: the replicas must stay identical.
+        self.last_skipped = bool(trainer.strategy.reduce_boolean_decision(bool(culprits), all=False))
+        module.log("train/nonfinite_skips", float(self.total + self.last_skipped), on_step=True, batch_size=1)
+        if not self.last_skipped:
+            self.stepped()
+            return
+        # The optimizer passes over parameters without a gradient: no update, no weight decay, no moment change.
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = None
+        self.skipped(culprits, trainer.current_epoch + 1, trainer.global_step)
+
+    def record(self, culprits: Iterable[str]) -> None:
+        """Remember what a micro-batch found non-finite, for the optimizer step it accumulates into."""
+        for culprit in culprits:
+            if culprit not in self._culprits:
+                self._culprits.append(culprit)
+
+    def nonfinite_gradients(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]]) -> list[str]:
+        """Names of the parameters whose gradient holds a NaN/Inf (one device sync for all of them)."""
+        named = [(name, _local(p.grad)) for name, p in named_parameters if p.grad is not None]
+        if not named:
+            return []
+        finite = torch.stack([torch.isfinite(g).all() for _, g in named])
+        if bool(finite.all()):
+            return []
+        return [name for (name, _), ok in zip(named, finite.tolist()) if not ok]
+
+    def should_skip(self, bad_gradients: list[str]) -> list[str]:
+        """The culprits of the pending step (empty: take it); clears them for the next step."""
+        culprits, self._culprits = self._culprits, []
+        if bad_gradients:
+            more = len(bad_gradients) - 3
+            shown = ", ".join(bad_gradients[:3]) + (f" and {more} more" if more > 0 else "")
+            culprits = [*culprits, f"gradients of {shown}"]
+        return culprits
+
+    def skipped(self, culprits: list[str], round_index: int, step: int) -> None:
+        """Count a skipped step and log it; raise :class:`NonFiniteError` after ``max_skips`` in a row."""
+        self.consecutive += 1
+        self.total += 1
+        what = "; ".join(culprits) if culprits else "a value on another rank"
+        log.warning(
+            "round %d, optimizer step %d: non-finite %s; step skipped, weights unchanged (%d in a row, at most %d)",
+            round_index,
+            step,
+            what,
+            self.consecutive,
+            self.max_skips,
+        )
+        if self.consecutive >= self.max_skips:
+            raise NonFiniteError(
+                f"{self.consecutive} optimizer steps in a row had non-finite values (last: round {round_index}, "
+                f"step {step}: {what}); stopped so that no NaN reaches the weights. Raise "
+                "model.max_nonfinite_skips to tolerate more, or lower model.lr"
+            )
+
+    def stepped(self) -> None:
+        """A step was taken: the run of skips is over."""
+        self.consecutive = 0
+
+    def state_dict(self) -> dict[str, int]:
+        """Counts to keep in checkpoints."""
+        return {"consecutive": self.consecutive, "total": self.total}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Restore :meth:`state_dict`'s counts."""
+        self.consecutive = int(state.get("consecutive", 0))
+        self.total = int(state.get("total", 0))

@@ -1,0 +1,429 @@
+"""Supervised fine-tuning on prompt/response pairs: the cold start before GRPO, and SFT on rejection-sampled data.
+
+``SFTModule`` is a ``GRPOModule`` whose update is next-token cross-entropy on the response tokens only; the model
+and tokenizer loading, the chat-template handling of prompts, generation and the held-out evaluation
+(``val/accuracy``) are GRPO's own, so an SFT model is encoded and evaluated exactly as GRPO will see it.
+``SFTDataModule`` reads prompt/response rows (a ``.jsonl`` such as ``tools/rejection_sample.py`` writes, or a
+built-in task with ``response_column: answer``). ``SaveHFModel`` writes the trained policy as a Hugging Face
+folder at the end of ``fit``: that folder is the next stage's ``model.model_name_or_path``.
+
+    python -m grpo_lightning.sft fit --config configs/pipeline/1_cold_start_sft.yaml
+    python -m grpo_lightning.sft validate --config configs/pipeline/1_cold_start_sft.yaml --ckpt_path ...
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import math
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from datasets import Dataset
+from lightning import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.cli import LightningCLI
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from grpo_lightning.cli import user_error
+from grpo_lightning.config import ConfigError, ObjectiveConfig, SamplingConfig
+from grpo_lightning.lora import LoraConfig, is_peft_model
+from grpo_lightning.models.tiny import TinyModelConfig
+from grpo_lightning.module import GRPOModule
+from grpo_lightning.rewards import RewardSpec, check_required_columns
+from grpo_lightning.rollout.datamodule import load_prompts
+from grpo_lightning.strategies import gathered
+
+IGNORE_INDEX = -100  # label of the tokens the loss skips (prompt and padding), as in Hugging Face models
+
+
+def response_loss(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean next-token cross-entropy over the labelled tokens, and how many there were.
+
+    ``labels`` ``[B, T]`` is aligned with the inputs: ``labels[:, t]`` is the token at position ``t`` where it is
+    a response token and ``IGNORE_INDEX`` elsewhere, so logits at ``t - 1`` are scored against it.
+    """
+    targets = labels[:, 1:]
+    count = (targets != IGNORE_INDEX).sum()
+    total = F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return total / count.clamp(min=1), count
+
+
+class SFTModule(GRPOModule):
+    """Supervised fine-tuning of a causal LM on prompt/response pairs, loss on response tokens only."""
+
+    def __init__(
+        self,
+        model_name_or_path: str | None = None,
+        tiny_model: TinyModelConfig | None = None,
+        rewards: list[RewardSpec] | None = None,
+        accuracy_reward: str | None = None,
+        sampling: SamplingConfig | None = None,
+        use_chat_template: bool = False,
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        lr_schedule: Literal["constant", "linear", "cosine"] = "constant",
+        min_lr_ratio: float = 0.0,
+        seed: int = 0,
+        eval_num_samples: int = 0,
+        eval_temperature: float = 1.0,
+        eval_pass_k: list[int] | None = None,
+        eval_answer_fn: str | None = None,
+        lora: LoraConfig | None = None,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        """
+        Args:
+            model_name_or_path: a Hugging Face causal LM (Hub name or local folder); unset = the tiny Llama of
+                ``tiny_model`` with the built-in character tokenizer, randomly initialised.
+            tiny_model: size of the built-in tiny Llama.
+            rewards: reward terms used by evaluation only (``val/accuracy``, ``val/reward_mean``).
+            accuracy_reward: the reward whose value ≥ 1 counts as correct (default: the first).
+            sampling: generation settings of evaluation (``max_new_tokens``, and temperature for k samples).
+            use_chat_template: wrap each prompt in the tokenizer's chat template as a user message, as GRPO does.
+            lr: AdamW peak learning rate.
+            weight_decay: AdamW weight decay.
+            warmup_steps: linear warm-up, in optimizer steps.
+            lr_schedule: after warm-up: ``constant``, or ``linear``/``cosine`` decay to ``min_lr_ratio × lr`` at the
+                last step (``trainer.max_steps`` or ``max_epochs``).
+            min_lr_ratio: final learning rate of the decaying schedules, as a fraction of ``lr``.
+            seed: seed of the sampling generator used by ``eval_num_samples``.
+            eval_num_samples: k sampled completions per held-out prompt (pass@k, maj@k); 0 = greedy only.
+            eval_temperature: temperature of those samples.
+            eval_pass_k: the k values of ``val/pass@k``.
+            eval_answer_fn: import path of the answer extractor maj@k votes on.
+            lora: train LoRA adapters only (needs PEFT).
+            gradient_checkpointing: recompute activations in the backward pass.
+        """
+        if lr_schedule not in ("constant", "linear", "cosine"):
+            raise ConfigError(f"model.lr_schedule must be constant, linear or cosine (got {lr_schedule!r})")
+        if not 0 <= min_lr_ratio <= 1:
+            raise ConfigError(f"model.min_lr_ratio must be in [0, 1] (got {min_lr_ratio})")
+        grpo_args = {
+            "model_name_or_path": model_name_or_path,
+            "tiny_model": tiny_model,
+            "rewards": rewards,
+            "accuracy_reward": accuracy_reward,
+            "sampling": sampling,
+            "objective": ObjectiveConfig(beta=0.0),  # β = 0: SFT needs no reference model, so none is built
+            "use_chat_template": use_chat_template,
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "warmup_steps": warmup_steps,
+            "log_entropy": False,
+            "seed": seed,
+            "eval_num_samples": eval_num_samples,
+            "eval_temperature": eval_temperature,
+            "eval_pass_k": eval_pass_k,
+            "eval_answer_fn": eval_answer_fn,
+            "lora": lora,
+            "gradient_checkpointing": gradient_checkpointing,
+        }
+        super().__init__(**grpo_args)
+        # Under LightningCLI the saved hyperparameters are the config's, i.e. this class's arguments only; the
+        # GRPOModule code this class reuses also reads the ones SFT fixes or leaves at their defaults.
+        grpo_defaults = {
+            name: parameter.default
+            for name, parameter in inspect.signature(GRPOModule.__init__).parameters.items()
+            if parameter.default is not inspect.Parameter.empty
+        }
+        for name, value in {**grpo_defaults, **grpo_args}.items():
+            self.hparams.setdefault(name, value)
+
+    def encode_examples(self, prompts: list[str], responses: list[str]) -> list[tuple[list[int], list[int]]]:
+        """``(input_ids, labels)`` per pair: the prompt encoded exactly as GRPO encodes it for generation
+        (``encode_prompts``: chat template or special tokens included), then the response's tokens and EOS,
+        which is where a sampled completion ends. Labels are ``IGNORE_INDEX`` on the prompt."""
+        eos = self.tokenizer.eos_token_id
+        examples = []
+        for start in range(0, len(prompts), 1024):
+            ids, mask = self.encode_prompts(prompts[start : start + 1024])
+            chunk = responses[start : start + 1024]
+            # Completions are generated after the prompt's last token, so the response is tokenized on its own.
+            response_ids = self.tokenizer(chunk, add_special_tokens=False)["input_ids"]
+            for row, row_mask, response in zip(ids.tolist(), mask.tolist(), response_ids):
+                prompt = [token for token, keep in zip(row, row_mask) if keep]
+                answer = [*response, eos]
+                examples.append((prompt + answer, [IGNORE_INDEX] * len(prompt) + answer))
+        return examples
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        # Without an attention mask the model derives a block-diagonal causal mask from position ids that restart
+        # at each packed example (transformers' packed-sequence detection), so packed examples never see each other.
+        logits = self.policy(
+            input_ids=batch["input_ids"],
+            attention_mask=batch.get("attention_mask"),
+            position_ids=batch["position_ids"],
+            use_cache=False,
+        ).logits
+        loss, count = response_loss(logits, batch["labels"])
+        size = batch["input_ids"].size(0)
+        self.log("train/loss", loss.detach(), prog_bar=True, batch_size=size)
+        self.log("train/response_tokens", count.float(), reduce_fx="sum", batch_size=size)
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=size)
+        return loss
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW with linear warm-up, then constant, linear or cosine decay to ``min_lr_ratio``."""
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        warmup, schedule = self.hparams.warmup_steps, self.hparams.lr_schedule
+        total = max(int(self.trainer.estimated_stepping_batches), warmup + 1) if schedule != "constant" else 0
+        floor = self.hparams.min_lr_ratio
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            if schedule == "constant":
+                return 1.0
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            decay = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+            return floor + (1.0 - floor) * decay
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+# ------------------------------------------------------------------------------------------------ data
+def pad_batch(examples: list[tuple[list[int], list[int]]], pad_token_id: int) -> dict[str, Tensor]:
+    """Right-padded ``input_ids``, ``attention_mask``, ``labels`` and ``position_ids`` of unpacked examples."""
+    length = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), length), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(examples), length), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(examples), length), dtype=torch.long)
+    for row, (ids, labs) in enumerate(examples):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        labels[row, : len(labs)] = torch.tensor(labs)
+        mask[row, : len(ids)] = 1
+    positions = torch.arange(length).expand(len(examples), length).clone()
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels, "position_ids": positions}
+
+
+def pack_examples(
+    examples: list[tuple[list[int], list[int]]], length: int, pad_token_id: int
+) -> list[dict[str, Tensor]]:
+    """Concatenate examples, in order, into rows of ``length`` tokens; position ids restart at every example.
+
+    An example never spans two rows (one longer than ``length`` must have been truncated before). The rest of a
+    row is padding: labels ``IGNORE_INDEX``, positions restarting at 0, so it forms a segment of its own.
+    """
+    rows: list[dict[str, Tensor]] = []
+    ids: list[int] = []
+    labels: list[int] = []
+    positions: list[int] = []
+
+    def close() -> None:
+        fill = length - len(ids)
+        rows.append(
+            {
+                "input_ids": torch.tensor(ids + [pad_token_id] * fill),
+                "labels": torch.tensor(labels + [IGNORE_INDEX] * fill),
+                "position_ids": torch.tensor(positions + list(range(fill))),
+            }
+        )
+        ids.clear(), labels.clear(), positions.clear()
+
+    for example_ids, example_labels in examples:
+        if len(example_ids) > length:
+            raise ValueError(f"an example of {len(example_ids)} tokens does not fit a packed row of {length}")
+        if len(ids) + len(example_ids) > length:
+            close()
+        ids.extend(example_ids)
+        labels.extend(example_labels)
+        positions.extend(range(len(example_ids)))
+    if ids:
+        close()
+    return rows
+
+
+def _collate_rows(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    return {key: [row[key] for row in rows] for key in rows[0]}
+
+
+class SFTDataModule(LightningDataModule):
+    """Prompt/response pairs for ``SFTModule``; the held-out prompts of its evaluation."""
+
+    def __init__(
+        self,
+        dataset: str,
+        subset: str | None = None,
+        task_kwargs: dict[str, Any] | None = None,
+        train_split: str = "train",
+        prompt_column: str = "prompt",
+        response_column: str = "response",
+        val_dataset: str | None = None,
+        val_split: str | None = "test",
+        batch_size: int = 32,
+        packing: bool = False,
+        max_length: int | None = None,
+        limit: int | None = None,
+        val_batch_size: int = 128,
+        val_limit: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        """
+        Args:
+            dataset: a local ``.jsonl/.json/.parquet/.csv`` file, a built-in task name, or a Hub dataset.
+            subset: the Hub dataset's configuration name.
+            task_kwargs: options of the built-in task (also for a built-in ``val_dataset``).
+            train_split: split of ``dataset`` (a local file is one split: the file).
+            prompt_column: the column with the prompt.
+            response_column: the column with the target response (``answer`` for a built-in task).
+            val_dataset: held-out prompts (same kinds as ``dataset``; needs the columns the rewards read). Unset:
+                ``dataset``'s ``val_split`` for a built-in task or Hub dataset, none for a local file.
+            val_split: held-out split; ``None`` disables evaluation.
+            batch_size: rows per optimizer step (per micro-batch with ``trainer.accumulate_grad_batches``).
+            packing: concatenate examples into rows of ``max_length`` tokens (each still attends only to itself).
+            max_length: the packed row length; without packing, examples longer than this lose their end.
+            limit: train on the first ``limit`` rows only.
+            val_batch_size: prompts per evaluation batch.
+            val_limit: evaluate on the first ``val_limit`` held-out prompts only.
+            seed: seed of the shuffling (a fresh order per epoch, and the order of packing).
+        """
+        super().__init__()
+        if batch_size < 1:
+            raise ConfigError(f"data.batch_size must be >= 1 (got {batch_size})")
+        if packing and not max_length:
+            raise ConfigError("data.packing needs data.max_length, the length of a packed row in tokens")
+        self.source, self.subset, self.task_kwargs = dataset, subset, task_kwargs or {}
+        self.train_split, self.prompt_column, self.response_column = train_split, prompt_column, response_column
+        self.val_dataset, self.val_split = val_dataset, val_split
+        self.batch_size, self.packing, self.max_length, self.limit = batch_size, packing, max_length, limit
+        self.val_batch_size, self.val_limit, self.seed = val_batch_size, val_limit, seed
+        self.train_examples: list[Any] | None = None
+        self.val_data: Dataset | None = None
+
+    def _read(self, source: str, split: str, setting: str) -> Dataset:
+        data = load_prompts(source, split, subset=self.subset, task_kwargs=self.task_kwargs, setting=setting)
+        if len(data) == 0:
+            raise ConfigError(f"{setting} ({source}) is empty: it needs at least one row")
+        if self.prompt_column not in data.column_names:
+            raise ConfigError(
+                f"{setting} ({source}) has no prompt column {self.prompt_column!r} "
+                f"(columns: {', '.join(data.column_names)}); set data.prompt_column"
+            )
+        if self.prompt_column != "prompt":
+            if "prompt" in data.column_names:
+                data = data.remove_columns("prompt")
+            data = data.rename_column(self.prompt_column, "prompt")
+        return data
+
+    def setup(self, stage: str) -> None:
+        module = self.trainer.lightning_module
+        if stage == "fit" and self.train_examples is None:
+            data = self._read(self.source, self.train_split, "data.dataset")
+            if self.response_column not in data.column_names:
+                raise ConfigError(
+                    f"data.dataset ({self.source}) has no response column {self.response_column!r} "
+                    f"(columns: {', '.join(data.column_names)}); set data.response_column"
+                )
+            if self.limit is not None:
+                data = data.select(range(min(self.limit, len(data))))
+            examples = module.encode_examples(data["prompt"], [str(r) for r in data[self.response_column]])
+            if self.max_length:
+                examples = [(ids[: self.max_length], labels[: self.max_length]) for ids, labels in examples]
+            if self.packing:
+                # Packed once, in a seeded shuffle; the DataLoader then shuffles the rows every epoch.
+                random.Random(self.seed).shuffle(examples)
+                examples = pack_examples(examples, self.max_length, module.tokenizer.pad_token_id)
+            self.train_examples = examples
+        local_file = Path(self.source).suffix.lower() in (".jsonl", ".json", ".parquet", ".csv")
+        if self.val_split is not None and self.val_data is None and (self.val_dataset or not local_file):
+            source = self.val_dataset or self.source
+            data = self._read(source, self.val_split, "data.val_dataset" if self.val_dataset else "data.dataset")
+            if self.val_limit is not None:
+                data = data.select(range(min(self.val_limit, len(data))))
+            check_required_columns(module.reward_specs, data.column_names, f"the held-out data ({source})")
+            self.val_data = data
+
+    def train_dataloader(self) -> DataLoader:
+        pad = self.trainer.lightning_module.tokenizer.pad_token_id
+        # Packed rows are equal-length tensors already (the default collate stacks them); others are padded.
+        collate = None if self.packing else functools.partial(pad_batch, pad_token_id=pad)
+        return DataLoader(
+            self.train_examples,
+            batch_size=self.batch_size,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(self.seed),
+            collate_fn=collate,
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return self._eval_loader()
+
+    def test_dataloader(self) -> DataLoader:
+        return self._eval_loader()
+
+    def _eval_loader(self) -> DataLoader:
+        if self.val_data is None:
+            raise ConfigError("no held-out data: set data.val_dataset (and data.val_split)")
+        data = self.val_data
+        if self.trainer is not None and self.trainer.world_size > 1:
+            data = data.shard(num_shards=self.trainer.world_size, index=self.trainer.global_rank, contiguous=True)
+        return DataLoader(data, batch_size=self.val_batch_size, shuffle=False, collate_fn=_collate_rows)
+
+
+# ------------------------------------------------------------------------------------------- hand-off
+class SaveHFModel(Callback):
+    """At the end of ``fit``, write the policy and tokenizer as a Hugging Face folder (``save_pretrained``).
+
+    Works for ``SFTModule`` and ``GRPOModule`` alike; the folder is what the next stage's
+    ``model.model_name_or_path`` takes. A LoRA policy is merged into a copy of its base weights first.
+    """
+
+    def __init__(self, dirpath: str) -> None:
+        """
+        Args:
+            dirpath: the folder to write (created if needed).
+        """
+        self.dirpath = dirpath
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        with gathered(pl_module.policy):  # sharded weights: gathered on every rank, written by rank 0
+            if not trainer.is_global_zero:
+                return
+            policy = pl_module.policy
+            if is_peft_model(policy):
+                policy = copy.deepcopy(policy).merge_and_unload()
+            os.makedirs(self.dirpath, exist_ok=True)
+            policy.save_pretrained(self.dirpath)
+            pl_module.tokenizer.save_pretrained(self.dirpath)
+
+
+# -------------------------------------------------------------------------------------- command line
+class SFTCLI(LightningCLI):
+    """``LightningCLI`` over ``SFTModule`` and ``SFTDataModule`` (the GRPO CLI's one-rollout-per-epoch Trainer
+    defaults do not apply to SFT)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if not args and "model_class" not in kwargs:
+            args = (SFTModule, SFTDataModule)
+        kwargs.setdefault("seed_everything_default", 0)
+        kwargs.setdefault("trainer_defaults", {"num_sanity_val_steps": 0})
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        super().__init__(*args, **kwargs)
+
+
+def main(args: list[str] | None = None) -> None:
+    """``python -m grpo_lightning.sft fit|validate|test --config ...``; user errors end with one line."""
+    try:
+        SFTCLI(args=args)
+    except Exception as err:
+        cause = user_error(err)
+        if cause is None or os.environ.get("GRPO_DEBUG"):
+            raise
+        print(f"error: {cause}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Up-front checks: settings, data and checkpoints that cannot work are refused before training, in one line.
+
+Each check raises :class:`~grpo_lightning.config.ConfigError` with a message that names the setting or the data
+row at fault (the CLI prints it as ``error: ...``), or fixes what is safe to fix and says so in a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, is_dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from grpo_lightning.config import ConfigError
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerBase
+
+    from grpo_lightning.module import GRPOModule
+
+log = logging.getLogger(__name__)
+
+# Settings that decide the shape of the weights: a checkpoint made with other values cannot be loaded.
+STRUCTURAL_HPARAMS = ("model_name_or_path", "tiny_model", "lora")
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+# ------------------------------------------------------------------------------------------------ tokenizer
+def fix_special_tokens(
+    tokenizer: PreTrainedTokenizerBase, name: str, eos_token_id: int | list[int] | None = None
+) -> PreTrainedTokenizerBase:
+    """Give ``tokenizer`` the eos and pad tokens that generation needs, where that is safe; refuse it otherwise.
+
+    A missing eos is taken from the model's own config (``eos_token_id``), a missing pad becomes eos (padding is
+    masked out everywhere); both with a warning.
+    """
+    if tokenizer.eos_token is None:
+        ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+        ids = [i for i in ids if isinstance(i, int) and 0 <= i < len(tokenizer)]
+        if not ids:
+            raise ConfigError(
+                f"model.model_name_or_path: the tokenizer of {name!r} has no eos token and the model config names "
+                "none; set tokenizer.eos_token in its tokenizer_config.json"
+            )
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(ids[0])
+        log.warning("the tokenizer of %r has no eos token: using %r, the model config's", name, tokenizer.eos_token)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+        log.warning("the tokenizer of %r has no pad token: padding with eos %r", name, tokenizer.eos_token)
+    return tokenizer
+
+
+def model_eos_token_id(name: str) -> int | list[int] | None:
+    """The eos id(s) in ``name``'s model config, without loading the weights; None when it cannot be read."""
+    config = _model_config(name)
+    return getattr(config, "eos_token_id", None) if config is not None else None
+
+
+def _model_config(name: str) -> Any:
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(name)
+    except Exception:  # unreadable here; loading the model reports the problem in its own words
+        return None
+
+
+# --------------------------------------------------------------------------------------------------- data
+def model_context_length(module: GRPOModule) -> int | None:
+    """The longest sequence (prompt + completion) the policy supports, from its config; None when unknown."""
+    if module.hparams.model_name_or_path is None:
+        return module.tiny_model.max_position_embeddings
+    config = _model_config(module.hparams.model_name_or_path)
+    config = getattr(config, "text_config", None) or config  # multimodal configs nest the language model's
+    for key in _CONTEXT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def prompt_token_lengths(module: GRPOModule, prompts: Sequence[str]) -> list[int]:
+    """Token count of each prompt as ``GRPOModule.encode_prompts`` tokenizes it (chat template included)."""
+    tokenizer = module.tokenizer
+    chat = module.hparams.use_chat_template
+    if chat:
+        prompts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in prompts
+        ]
+    encoded = tokenizer(list(prompts), add_special_tokens=not chat)["input_ids"]
+    return [len(ids) for ids in encoded]
+
+
+def check_prompts(module: GRPOModule, data: Dataset, where: str) -> None:
+    """Every prompt is a non-empty string, and the longest one plus the completion fits the model's context."""
+    prompts = data["prompt"]
+    for row, prompt in enumerate(prompts):
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ConfigError(f"{where} row {row}: the prompt is {prompt!r}; every row needs a non-empty prompt")
+    context = model_context_length(module)
+    if context is None:
+        return
+    lengths = prompt_token_lengths(module, prompts)
+    row = max(range(len(lengths)), key=lengths.__getitem__)
+    max_new = module.sampling.max_new_tokens
+    if lengths[row] + max_new > context:
+        raise ConfigError(
+            f"{where} row {row}: its prompt of {lengths[row]} tokens + model.sampling.max_new_tokens={max_new} "
+            f"exceed the model's context of {context} tokens; shorten the prompts or lower max_new_tokens"
+        )
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def _plain(value: Any) -> Any:
+    if is_dataclass(value) and not isinstance(value, type):
+        return asdict(value)
+    if hasattr(value, "as_dict"):  # a jsonargparse Namespace, from the parsed config
+        value = value.as_dict()
+    if isinstance(value, dict) and "init_args" in value:  # class_path form
+        value = value["init_args"]
+    return value
+
+
+def structural_hparams(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings that decide the weights' shapes, normalised (defaults filled in) so that equal means same."""
+    name = hparams.get("model_name_or_path")
+    tiny = None
+    if name is None:  # the tiny model's size matters only when it is the model
+        from grpo_lightning.models.tiny import TinyModelConfig
+
+        tiny = asdict(TinyModelConfig(**(_plain(hparams.get("tiny_model")) or {})))
+    lora = _plain(hparams.get("lora"))
+    if lora is not None:
+        from grpo_lightning.lora import LoraConfig
+
+        lora = asdict(LoraConfig(**lora))
+    return {"model_name_or_path": name, "tiny_model": tiny, "lora": lora}
+
+
+def check_checkpoint_hparams(saved: Mapping[str, Any], current: Mapping[str, Any], source: str) -> list[str]:
+    """Refuse a checkpoint whose model differs from the configured one; return the other settings that differ.
+
+    ``source`` names the checkpoint in the message.
+    """
+    if not saved:
+        return []  # a checkpoint without hyperparameters: the weights' shapes are still checked on load
+    old, new = structural_hparams(saved), structural_hparams(current)
+    for key in STRUCTURAL_HPARAMS:
+        if old[key] != new[key]:
+            raise ConfigError(
+                f"checkpoint {source} was made with model.{key}={old[key]!r}, the config has "
+                f"model.{key}={new[key]!r}: it belongs to another model"
+            )
+    return sorted(
+        f"model.{key}"
+        for key in saved
+        if key in current
+        and key not in STRUCTURAL_HPARAMS
+        and _settings(key, saved[key]) != _settings(key, current[key])
+    )
+
+
+def _settings(key: str, value: Any) -> Any:
+    value = _plain(value)
+    if key == "objective" and isinstance(value, dict):
+        # β is state, not a setting, under KLController: the saved hyperparameters hold its controlled value.
+        value = {k: v for k, v in value.items() if k != "beta"}
+    return value
+
+
+def check_state_dict_shapes(saved: Mapping[str, Any], expected: Mapping[str, Tensor], source: str) -> None:
+    """Refuse a checkpoint whose weights do not fit the model (another model, or a resized vocabulary)."""
+    for key, value in saved.items():
+        if key in expected and hasattr(value, "shape") and tuple(value.shape) != tuple(expected[key].shape):
+            raise ConfigError(
+                f"checkpoint {source}: {key} has shape {list(value.shape)}, the model's is "
+                f"{list(expected[key].shape)}: another model or vocabulary"
+            )
+    if any(k.startswith("policy.") for k in saved):
+        missing = [k for k in expected if k.startswith("policy.") and k not in saved]
+        if missing:
+            raise ConfigError(f"checkpoint {source} has no {missing[0]}: it belongs to another model")
+
+
+def read_checkpoint_hparams(path: str) -> Mapping[str, Any] | None:
+    """The ``hyper_parameters`` of a local checkpoint file, read without loading its tensors (memory-mapped)."""
+    import torch
+
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as err:  # not a checkpoint at all: say so in one line
+        raise ConfigError(f"ckpt_path: cannot read {path!r} as a checkpoint ({type(err).__name__})") from None
+    return checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None

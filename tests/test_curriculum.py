@@ -1,0 +1,157 @@
+"""The pass-rate curriculum: draw frequencies follow its rule, rates follow the rollouts, state survives a restart."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from grpo_lightning.cli import GRPOCLI
+from grpo_lightning.config import ConfigError
+from grpo_lightning.rollout.curriculum import (
+    PREFERRED,
+    TOO_EASY,
+    TOO_HARD,
+    UNSEEN,
+    CurriculumConfig,
+    CurriculumSampler,
+)
+from grpo_lightning.rollout.datamodule import RolloutDataModule
+
+
+def sampler_with_rates(rates: list[float], **config: float) -> CurriculumSampler:
+    sampler = CurriculumSampler(CurriculumConfig(**config), seed=0)
+    sampler.pass_rates = torch.tensor(rates)
+    return sampler
+
+
+def test_categories_use_inclusive_bounds():
+    sampler = sampler_with_rates([math.nan, 0.0, 0.2, 0.5, 0.8, 1.0], min_pass_rate=0.2, max_pass_rate=0.8)
+    assert sampler.categories().tolist() == [UNSEEN, TOO_HARD, PREFERRED, PREFERRED, PREFERRED, TOO_EASY]
+
+
+def test_draw_frequencies_follow_the_weights():
+    # weights: unseen 1, in band 3, never solved 0.5, always solved 0.5 → probabilities .2, .6, .1, .1
+    sampler = sampler_with_rates([math.nan, 0.5, 0.0, 1.0], preferred_weight=3.0, unseen_weight=1.0, other_weight=0.5)
+    counts = torch.zeros(4)
+    draws = 4000
+    for _ in range(draws):
+        [index] = sampler.draw(4, 1)
+        counts[index] += 1
+    frequencies = counts / draws
+    assert torch.allclose(frequencies, torch.tensor([0.2, 0.6, 0.1, 0.1]), atol=0.03), frequencies
+    assert sampler._drawn.sum() == draws  # every draw is counted by the category it had
+
+
+def test_a_round_draws_distinct_prompts_and_ranks_split_one_draw():
+    sampler = sampler_with_rates([0.5] * 10)
+    indices = sampler.draw(10, 10)
+    assert sorted(indices) == list(range(10))
+    # Two ranks with the same state: disjoint slices of the same draw.
+    a, b = sampler_with_rates([0.5] * 10), sampler_with_rates([0.5] * 10)
+    mine, theirs = a.draw(10, 4, rank=0, world_size=2), b.draw(10, 4, rank=1, world_size=2)
+    assert not set(mine) & set(theirs)
+
+
+def test_in_band_prompts_dominate_once_rates_are_known():
+    # 100 prompts: 10 in the band, 90 always solved; weights 1 vs 0.1 → in-band share 10 / (10 + 9) ≈ 0.53.
+    rates = [0.5] * 10 + [1.0] * 90
+    sampler = sampler_with_rates(rates)
+    drawn = [i for _ in range(400) for i in sampler.draw(100, 1)]
+    share = sum(1 for i in drawn if i < 10) / len(drawn)
+    assert abs(share - 10 / 19) < 0.08
+
+
+def _rollout(prompts: list[str], solved: list[list[float]]) -> SimpleNamespace:
+    group = len(solved[0])
+    values = [v for row in solved for v in row]
+    return SimpleNamespace(
+        prompts=[p for p in prompts for _ in range(group)],
+        reward_columns={"exact_answer": values},
+        rewards=torch.tensor(values),
+        metrics={},
+    )
+
+
+def _module(group_size: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        sampling=SimpleNamespace(group_size=group_size), accuracy_reward="exact_answer", trainer=None
+    )
+
+
+def test_observe_blends_rates_matches_groups_by_prompt_and_logs():
+    texts = ["p0", "p1", "p2", "p3"]
+    sampler = CurriculumSampler(CurriculumConfig(history=0.5), seed=0)
+    drawn = sampler.draw(4, 3)
+    # The rollout's groups come back in another order (dynamic sampling reorders and drops groups).
+    order = list(reversed(drawn))
+    solved = {drawn[0]: [1, 1, 1, 1], drawn[1]: [1, 0, 0, 0], drawn[2]: [0, 0, 0, 0]}
+    rollout = _rollout([texts[i] for i in order], [solved[i] for i in order])
+    sampler.observe(rollout, lambda i: texts[i], _module(4))
+    assert sampler.pass_rates[drawn[0]] == 1.0 and sampler.pass_rates[drawn[1]] == 0.25
+    assert sampler.pass_rates[drawn[2]] == 0.0
+    assert math.isnan(sampler.pass_rates[({0, 1, 2, 3} - set(drawn)).pop()])
+    assert rollout.metrics["curriculum/unseen_fraction"] == 1.0  # all were unseen when drawn
+    assert rollout.metrics["curriculum/tracked_prompts"] == 3
+    assert all(key.startswith("curriculum/") for key in rollout.metrics)
+    # Second observation of a prompt: rate ← 0.5 × old + 0.5 × new.
+    sampler._pending = [drawn[1]]
+    sampler.observe(_rollout([texts[drawn[1]]], [[1, 1, 1, 1]]), lambda i: texts[i], _module(4))
+    assert sampler.pass_rates[drawn[1]] == pytest.approx(0.625)
+
+
+def test_bad_bounds_are_refused():
+    with pytest.raises(ConfigError, match="min_pass_rate"):
+        CurriculumConfig(min_pass_rate=0.9, max_pass_rate=0.1)
+    with pytest.raises(ConfigError, match="other_weight"):
+        CurriculumConfig(other_weight=0.0)
+
+
+def test_state_is_a_separate_key_of_the_datamodule_state():
+    data = RolloutDataModule(curriculum=CurriculumConfig(), seed=3)
+    data.curriculum.pass_rates = torch.tensor([0.5, math.nan, 1.0])
+    data.curriculum.rounds = 7
+    state = data.state_dict()
+    assert state["curriculum"]["rounds"] == 7
+    restored = RolloutDataModule(curriculum=CurriculumConfig(), seed=3)
+    restored.load_state_dict(state)
+    assert restored.curriculum.rounds == 7
+    assert torch.equal(restored.curriculum.pass_rates.nan_to_num(-1), state["curriculum"]["pass_rates"].nan_to_num(-1))
+    assert "curriculum" not in RolloutDataModule().state_dict()
+
+
+def test_grpo_fit_with_a_curriculum_logs_its_metrics(tmp_path):
+    config = {
+        "trainer": {
+            "accelerator": "cpu",
+            "max_epochs": 2,
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+        },
+        "model": {
+            "tiny_model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64},
+            "sampling": {"group_size": 4, "max_new_tokens": 3},
+            "objective": {"beta": 0.0},
+        },
+        "data": {
+            "prompts_per_round": 4,
+            "val_split": None,
+            "task_kwargs": {"max_operand": 9, "test_size": 20},
+            "curriculum": {"min_pass_rate": 0.1, "max_pass_rate": 0.9},
+        },
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(json.loads(json.dumps(config))))
+    cli = GRPOCLI(args=["fit", "--config", str(path)])
+    metrics = cli.trainer.callback_metrics
+    for name in ("preferred", "unseen", "too_easy", "too_hard"):
+        assert f"curriculum/{name}_fraction" in metrics
+    sampler = cli.datamodule.curriculum
+    assert sampler.rounds == 2
+    assert metrics["curriculum/tracked_prompts"] == (~sampler.pass_rates.isnan()).sum()

@@ -1,0 +1,118 @@
+"""LoRA: adapters train and nothing else; π_ref is the base model (adapter disabled), not a second copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY
+from lightning import Trainer
+from transformers import AutoModelForCausalLM
+
+from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
+from grpo_lightning.cli import TRAINER_DEFAULTS
+from grpo_lightning.config import ConfigError
+from grpo_lightning.lora import LoraConfig
+from grpo_lightning.memory import update_peak_bytes
+from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
+from grpo_lightning.rewards import RewardSpec, register
+from grpo_lightning.rollout.generation import completion_logprobs
+
+pytest.importorskip("peft", reason="LoRA needs PEFT: pip install 'grpo_lightning[lora]'")
+
+
+@register("lora_checksum")
+def checksum_reward(prompts: list[str], completions: list[str], **_: object) -> list[float]:
+    """A function of the completion's characters: rewards with spread even for a random model."""
+    return [float(sum(map(ord, c)) % 5) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[GRPOModule, RolloutDataModule, dict, str]:
+    """Two rounds of LoRA GRPO (β > 0, gradient checkpointing) on a tiny saved model."""
+    path = tmp_path_factory.mktemp("lora-base")
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(0)
+    build_tiny_llama(TINY, tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    module = GRPOModule(
+        model_name_or_path=str(path),
+        rewards=[RewardSpec("lora_checksum")],
+        sampling=SamplingConfig(group_size=4, max_new_tokens=6),
+        objective=ObjectiveConfig(beta=0.1),
+        lr=3e-2,
+        lora=LoraConfig(r=4, alpha=8),
+        gradient_checkpointing=True,
+    )
+    module.configure_model()
+    before = {k: v.clone() for k, v in module.policy.state_dict().items()}
+    data = RolloutDataModule(prompts_per_round=4, val_limit=4, task_kwargs={"test_size": 50})
+    trainer = Trainer(
+        **TRAINER_DEFAULTS,
+        max_epochs=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path_factory.mktemp("lora-run"),
+    )
+    trainer.fit(module, datamodule=data)
+    return module, data, before, str(path)
+
+
+def test_only_adapters_change_and_no_reference_copy(trained) -> None:
+    module, _, before, _ = trained
+    assert module.ref is None  # β > 0, yet no second model in memory
+    after = module.policy.state_dict()
+    changed = {k for k, v in after.items() if not torch.equal(before[k], v)}
+    assert changed and all("lora_" in k for k in changed)
+    assert any("lora_B" in k for k in changed)  # B starts at 0: the adapter now changes the model
+    trainable = {n for n, p in module.policy.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+
+
+def test_reference_logprobs_are_the_base_models(trained) -> None:
+    module, data, _, base_path = trained
+    batch = data.last_rollout
+    _, ref = module.rollout_logprobs(batch)
+    assert module.policy.training  # restored after the adapter-disabled pass
+    inputs = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+    base = AutoModelForCausalLM.from_pretrained(base_path).eval()
+    with torch.no_grad():
+        expected, _ = completion_logprobs(base, *inputs)
+        module.policy.eval()
+        policy, _ = completion_logprobs(module.policy, *inputs)
+        module.policy.train()
+    mask = batch.completion_mask.bool()
+    torch.testing.assert_close(ref[mask], expected[mask], atol=1e-5, rtol=1e-5)
+    assert (policy[mask] - expected[mask]).abs().max() > 1e-4  # while the policy itself has moved
+
+
+def test_merge_and_unload_gives_the_policy(trained) -> None:
+    module, data, _, _ = trained
+    ids = data.last_rollout.prompt_ids[:2]
+    policy = module.policy.eval()
+    with torch.no_grad():
+        expected = policy(input_ids=ids).logits
+        merged = policy.merge_and_unload()  # in place: last test of this module to use the policy
+        got = merged(input_ids=ids).logits
+    assert not any("lora_" in k for k in merged.state_dict())
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_lora_update_peak_memory_below_full_finetune() -> None:
+    size = TinyModelConfig(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=256)
+    peaks = {}
+    for name, lora in (("full", None), ("lora", LoraConfig(r=8))):
+
+        def build(lora: LoraConfig | None = lora) -> GRPOModule:
+            return GRPOModule(tiny_model=size, objective=ObjectiveConfig(beta=0.04), lora=lora)
+
+        peaks[name] = update_peak_bytes(build, rows=8, prompt_len=8, completion_len=16)
+    assert peaks["lora"] < peaks["full"], peaks
+
+
+def test_lora_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="lora.r"):
+        LoraConfig(r=0)

@@ -1,0 +1,328 @@
+"""Side-by-side speed of grpo_lightning and TRL's ``GRPOTrainer`` at identical settings, on CPU in float32.
+
+    pip install -e ".[bench]"          # TRL, pinned (an optional extra, not a runtime dependency)
+    python tools/bench_trl.py          # settings A and B, 3 runs each, the frameworks alternated
+    python tools/bench_trl.py --settings A --runs 5
+
+Both sides train the same Llama-architecture model (built from a config with a fixed seed and saved once), with
+the same character tokenizer, prompts, reward function and seed; completions have a fixed length (EOS is
+forbidden before ``max_new_tokens``), so both generate the same number of tokens. One optimizer step covers
+one rollout of prompts × G completions (μ passes of it), with β > 0 (a reference model). Neither side uses
+gradient checkpointing (TRL's default turns it on; ours does not), mixed precision or logging.
+
+Each run is a fresh subprocess that reports its time per optimizer step (a callback timestamps every optimizer
+step; the steps after the warm-up are averaged) and its peak resident memory (``ru_maxrss``). The table shows
+the median over runs; the last lines (``settings=A ratio=... mem_ratio=...``) are for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+SEED = 0
+LR = 1e-6
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One benchmark configuration (model size, rollout shape and how many steps to time)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    prompts: int  # per optimizer step
+    group_size: int
+    new_tokens: int
+    prompt_len: int  # characters = tokens (character tokenizer)
+    mu: int  # passes over each rollout (num_iterations)
+    beta: float
+    warmup_steps: int
+    measured_steps: int
+
+
+SETTINGS = {
+    "A": Settings(128, 4, 4, 256, 8, 8, 16, 6, 1, 0.04, warmup_steps=10, measured_steps=30),
+    # μ = 2: a round is two optimizer steps, so warm-up and measured windows are whole rounds.
+    "B": Settings(512, 8, 8, 1408, 4, 8, 64, 32, 2, 0.04, warmup_steps=6, measured_steps=16),
+}
+
+
+def digit_fraction(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    """The reward of both sides: the share of digits in the completion (cheap, deterministic, informative)."""
+    return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
+
+
+def make_prompt(rng: random.Random, length: int) -> str:
+    """A fixed-length arithmetic prompt, so that neither side pads prompts."""
+    a, b = rng.randrange(10_000), rng.randrange(10_000)
+    text = f"{a % 100:02d}+{b % 100:02d}=" if length <= 6 else f"What is {a:04d} plus {b:04d}? Answer: "
+    return text[:length].rjust(length)
+
+
+def build_assets(settings: Settings, folder: Path) -> None:
+    """Save the model (seeded random weights), the tokenizer and 512 prompts under ``folder``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from grpo_lightning.models.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=settings.hidden,
+        intermediate_size=settings.intermediate,
+        num_hidden_layers=settings.layers,
+        num_attention_heads=settings.heads,
+        num_key_value_heads=settings.heads,
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    rng = random.Random(SEED)
+    with open(folder / "prompts.jsonl", "w") as f:
+        for _ in range(512):
+            f.write(json.dumps({"prompt": make_prompt(rng, settings.prompt_len)}) + "\n")
+    (folder / "params.txt").write_text(str(sum(p.numel() for p in model.parameters())))
+
+
+def stamp() -> tuple[float, float]:
+    """Wall-clock and process CPU time now (CPU time is less sensitive to other processes sharing the cores)."""
+    return time.perf_counter(), time.process_time()
+
+
+def summarize(stamps: list[tuple[float, float]], settings: Settings) -> dict[str, float]:
+    """Seconds per optimizer step (wall and CPU) over the measured window, and this process's peak memory."""
+    window = stamps[settings.warmup_steps - 1 : settings.warmup_steps + settings.measured_steps]
+    if len(window) != settings.measured_steps + 1:
+        raise RuntimeError(f"expected {settings.warmup_steps + settings.measured_steps} steps, got {len(stamps)}")
+    (wall0, cpu0), (wall1, cpu1) = window[0], window[-1]
+    return {
+        "s_per_step": (wall1 - wall0) / settings.measured_steps,
+        "cpu_s_per_step": (cpu1 - cpu0) / settings.measured_steps,
+        "peak_rss_mb": peak_rss_mb(),
+    }
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MiB (Linux reports ``ru_maxrss`` in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_ours(settings: Settings, folder: Path) -> dict[str, float]:
+    """Our public API, as a user would run a benchmark: no logger, checkpoints, progress bar or validation."""
+    import lightning as L
+
+    from grpo_lightning import GRPOModule, ObjectiveConfig, RewardSpec, RolloutDataModule, SamplingConfig
+    from grpo_lightning.rewards import register
+
+    register("digit_fraction")(digit_fraction)
+    stamps: list[tuple[float, float]] = []
+
+    class StepTimer(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            stamps.append(stamp())  # one batch is one optimizer step (no gradient accumulation)
+
+    L.seed_everything(SEED, verbose=False)
+    steps = settings.warmup_steps + settings.measured_steps
+    rollout = settings.prompts * settings.group_size
+    module = GRPOModule(
+        model_name_or_path=str(folder / "model"),
+        rewards=[RewardSpec("digit_fraction")],
+        sampling=SamplingConfig(
+            group_size=settings.group_size,
+            max_new_tokens=settings.new_tokens,
+            min_new_tokens=settings.new_tokens,
+            temperature=1.0,
+        ),
+        objective=ObjectiveConfig(beta=settings.beta, num_iterations=settings.mu, loss_type="grpo"),
+        lr=LR,
+        seed=SEED,
+    )
+    data = RolloutDataModule(
+        dataset=str(folder / "prompts.jsonl"),
+        val_split=None,
+        prompts_per_round=settings.prompts,
+        mini_batch_size=rollout,
+        seed=SEED,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        reload_dataloaders_every_n_epochs=1,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,  # no held-out data: GRPOModule defines validation_step, so Lightning would ask for it
+        gradient_clip_val=1.0,  # TRL's max_grad_norm default
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[StepTimer()],
+    )
+    trainer.fit(module, datamodule=data)
+    return summarize(stamps, settings)
+
+
+def run_trl(settings: Settings, folder: Path) -> dict[str, float]:
+    """TRL's GRPOTrainer with the same settings: one optimizer step = one rollout of prompts × G completions."""
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    stamps: list[tuple[float, float]] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            stamps.append(stamp())
+
+    rollout = settings.prompts * settings.group_size
+    with tempfile.TemporaryDirectory() as out:
+        config = GRPOConfig(
+            output_dir=out,
+            use_cpu=True,
+            bf16=False,
+            gradient_checkpointing=False,
+            seed=SEED,
+            learning_rate=LR,
+            lr_scheduler_type="constant",
+            max_steps=settings.warmup_steps + settings.measured_steps,
+            # One generation of `rollout` completions per optimizer step; each rollout is reused for μ steps.
+            per_device_train_batch_size=rollout,
+            gradient_accumulation_steps=1,
+            steps_per_generation=1,
+            num_generations=settings.group_size,
+            num_iterations=settings.mu,
+            max_completion_length=settings.new_tokens,
+            generation_kwargs={"min_new_tokens": settings.new_tokens},
+            temperature=1.0,
+            beta=settings.beta,
+            loss_type="grpo",
+            logging_strategy="no",
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            model_init_kwargs={"dtype": torch.float32},
+        )
+        trainer = GRPOTrainer(
+            model=str(folder / "model"),
+            reward_funcs=digit_fraction,
+            args=config,
+            train_dataset=load_dataset("json", data_files=str(folder / "prompts.jsonl"), split="train"),
+            processing_class=AutoTokenizer.from_pretrained(folder / "model"),
+            callbacks=[StepTimer()],
+        )
+        trainer.train()
+    return summarize(stamps, settings)
+
+
+def child(framework: str, settings: Settings, folder: Path) -> None:
+    """One measured run in this process; prints its result as the last line of stdout (JSON)."""
+    result = (run_ours if framework == "ours" else run_trl)(settings, folder)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_child(framework: str, name: str, settings: Settings, folder: Path) -> dict[str, float]:
+    """Run one measurement in a fresh interpreter (so start-up, caches and peak memory are its own)."""
+    steps = [str(settings.warmup_steps), str(settings.measured_steps)]
+    cmd = [sys.executable, __file__, "--child", framework, "--settings", name, "--steps", *steps]
+    cmd += ["--assets", str(folder)]
+    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
+        raise RuntimeError(f"{framework} run for settings {name} failed (exit {proc.returncode})")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def load_average() -> str:
+    """The 1-minute load average: other processes share the CPU, and both sides should see the same load."""
+    return f"{os.getloadavg()[0]:.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--runs", type=int, default=3, help="runs per framework and settings (median reported)")
+    parser.add_argument(
+        "--steps", nargs=2, type=int, metavar=("WARMUP", "MEASURED"), help="override the steps timed (all settings)"
+    )
+    parser.add_argument("--child", choices=("ours", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--assets", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    chosen = {name: SETTINGS[name] for name in args.settings}
+    if args.steps:
+        chosen = {n: replace(s, warmup_steps=args.steps[0], measured_steps=args.steps[1]) for n, s in chosen.items()}
+    if args.child:
+        child(args.child, chosen[args.settings[0]], args.assets)
+        return
+
+    rows = []
+    for name, settings in chosen.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp)
+            build_assets(settings, folder)
+            params = int((folder / "params.txt").read_text())
+            results: dict[str, list[dict[str, float]]] = {"trl": [], "ours": []}
+            for run in range(args.runs):
+                # Alternate which framework goes first, so that load drifts hit both alike.
+                for framework in ("trl", "ours") if run % 2 == 0 else ("ours", "trl"):
+                    load = load_average()
+                    result = run_child(framework, name, settings, folder)
+                    results[framework].append(result)
+                    print(
+                        f"settings {name} run {run + 1} {framework:>4}: {result['s_per_step']:.4f} s/step, "
+                        f"peak RSS {result['peak_rss_mb']:.0f} MiB (load {load} before)",
+                        flush=True,
+                    )
+        med = {
+            fw: {key: statistics.median(r[key] for r in runs) for key in ("s_per_step", "peak_rss_mb")}
+            for fw, runs in results.items()
+        }
+        rows.append((name, settings, params, med))
+
+    print("\n| settings | TRL s/step | ours s/step | ratio ours/TRL | TRL peak RSS MiB | ours peak RSS MiB |")
+    print("|---|---|---|---|---|---|")
+    for name, s, params, med in rows:
+        label = (
+            f"{name}: {params / 1e6:.2f}M params, {s.prompts}×G={s.group_size}, {s.new_tokens} new tokens, "
+            f"prompt {s.prompt_len}, β={s.beta}, μ={s.mu}"
+        )
+        trl, ours = med["trl"], med["ours"]
+        print(
+            f"| {label} | {trl['s_per_step']:.3f} | {ours['s_per_step']:.3f} | "
+            f"{ours['s_per_step'] / trl['s_per_step']:.2f} | {trl['peak_rss_mb']:.0f} | {ours['peak_rss_mb']:.0f} |"
+        )
+    print()
+    for name, _, _, med in rows:
+        ratio = med["ours"]["s_per_step"] / med["trl"]["s_per_step"]
+        mem_ratio = med["ours"]["peak_rss_mb"] / med["trl"]["peak_rss_mb"]
+        print(f"settings={name} ratio={ratio:.2f} mem_ratio={mem_ratio:.2f}")
+    print(f"\n(settings: {json.dumps({n: asdict(s) for n, s, _, _ in rows})})")
+
+
+if __name__ == "__main__":
+    main()
