@@ -146,6 +146,9 @@ def parse_error_line(message: str) -> str:
     expected = re.search(r"Expected a <class '(\w+)'>\. Got value: (.*?)(?: - |$)", text)
     if key and expected:
         return f"{key}: expected a {expected.group(1)}, got {expected.group(2).strip()!r}"
+    problem = re.search(r"Problem with given class_path '([^']+)':\s*(.+?)(?:\s+- |\s+Given value|$)", text)
+    if key and problem:
+        return f"{key}: {problem.group(1)}: {problem.group(2)}"
     detail = next((line for line in rest if line and not line.startswith(("-", "Subtypes", "Errors"))), text)
     line = f"{key}: {detail}" if key else detail
     return line if len(line) <= 300 else line[:297] + "..."
@@ -159,14 +162,14 @@ def main(args: list[str] | None = None) -> None:
     """
     try:
         GRPOCLI(args=args)
-    except argparse.ArgumentError as err:  # a bad setting, from jsonargparse
+    except Exception as err:
         if os.environ.get("GRPO_DEBUG"):
             raise
-        print(f"error: {parse_error_line(str(err))}", file=sys.stderr)
-        sys.exit(2)
-    except Exception as err:
-        cause = user_error(err)
-        if cause is None or os.environ.get("GRPO_DEBUG"):
-            raise
-        print(f"error: {' '.join(str(cause).split())}", file=sys.stderr)  # one line, whatever the message
-        sys.exit(1 if isinstance(cause, NonFiniteError) else 2)
+        cause = user_error(err)  # also behind jsonargparse's errors, when a settings class refused a value
+        if cause is not None:
+            print(f"error: {' '.join(str(cause).split())}", file=sys.stderr)  # one line, whatever the message
+            sys.exit(1 if isinstance(cause, NonFiniteError) else 2)
+        if isinstance(err, argparse.ArgumentError):  # a bad setting, from jsonargparse
+            print(f"error: {parse_error_line(str(err))}", file=sys.stderr)
+            sys.exit(2)
+        raise

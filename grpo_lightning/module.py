@@ -369,6 +369,7 @@ class GRPOModule(LightningModule):
             batch["completion_mask"],
             temperature=self.sampling.temperature,
             with_entropy=with_entropy,
+            chunk_size=self.hparams.logprob_chunk_size,
         )
         loss, metrics = grpo_loss(
             logprobs,
@@ -384,8 +385,9 @@ class GRPOModule(LightningModule):
             **{name: getattr(objective, name) for name in _LOSS_OPTIONS},
         )
         if not torch.isfinite(loss.detach()):  # name the culprit for the non-finite guard (on_before_optimizer_step)
-            terms = {"policy log-probs": logprobs, "entropy": entropy, **metrics, "loss": loss}
-            self.nonfinite.record(nonfinite_inputs(batch) + nonfinite_terms(terms, batch["loss_mask"]))
+            mask = batch["loss_mask"]
+            model_terms = nonfinite_terms({"policy log-probs": logprobs, "entropy": entropy}, mask)
+            self.nonfinite.record(nonfinite_inputs(batch), model_terms, nonfinite_terms(metrics), ["loss"])
         self.log("train/loss", loss.detach(), prog_bar=False)
         self.log_dict({f"train/{name}": value for name, value in metrics.items()})
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
@@ -405,7 +407,11 @@ class GRPOModule(LightningModule):
         metrics = {k: v for k, v in rollout.metrics.items() if v == v}  # NaN = no applicable value this round
         # One value per round, logged at the epoch level: written at every round's end, whatever
         # trainer.log_every_n_steps is (step-level values would be dropped between its multiples).
-        self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1)
+        # Under data parallelism each rank has its own rollout: averaged across ranks, the maxima maximised.
+        maxima = {k: v for k, v in metrics.items() if k.endswith("_max")}
+        means = {k: v for k, v in metrics.items() if k not in maxima}
+        self.log_dict(means, on_step=False, on_epoch=True, batch_size=1, sync_dist=True)
+        self.log_dict(maxima, on_step=False, on_epoch=True, batch_size=1, sync_dist=True, reduce_fx="max")
         # The progress bar's postfix only: the logs hold these under their namespaced names already.
         bar = {"reward": rollout.metrics["rollout/reward_mean"]}
         if "time/generated_tokens_per_s" in rollout.metrics:

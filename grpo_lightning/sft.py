@@ -108,26 +108,9 @@ class SFTModule(GRPOModule):
             raise ConfigError(f"model.lr_schedule must be constant, linear or cosine (got {lr_schedule!r})")
         if not 0 <= min_lr_ratio <= 1:
             raise ConfigError(f"model.min_lr_ratio must be in [0, 1] (got {min_lr_ratio})")
-        grpo_args = {
-            "model_name_or_path": model_name_or_path,
-            "tiny_model": tiny_model,
-            "rewards": rewards,
-            "accuracy_reward": accuracy_reward,
-            "sampling": sampling,
-            "objective": ObjectiveConfig(beta=0.0),  # β = 0: SFT needs no reference model, so none is built
-            "use_chat_template": use_chat_template,
-            "lr": lr,
-            "weight_decay": weight_decay,
-            "warmup_steps": warmup_steps,
-            "log_entropy": False,
-            "seed": seed,
-            "eval_num_samples": eval_num_samples,
-            "eval_temperature": eval_temperature,
-            "eval_pass_k": eval_pass_k,
-            "eval_answer_fn": eval_answer_fn,
-            "lora": lora,
-            "gradient_checkpointing": gradient_checkpointing,
-        }
+        # Every argument is GRPOModule's too, except the schedule's; β = 0: SFT builds no reference model.
+        grpo_args = {k: v for k, v in locals().items() if k not in ("self", "__class__", "lr_schedule", "min_lr_ratio")}
+        grpo_args.update(objective=ObjectiveConfig(beta=0.0), log_entropy=False)
         super().__init__(**grpo_args)
         # Under LightningCLI the saved hyperparameters are the config's, i.e. this class's arguments only; the
         # GRPOModule code this class reuses also reads the ones SFT fixes or leaves at their defaults.
@@ -223,13 +206,9 @@ def pack_examples(
 
     def close() -> None:
         fill = length - len(ids)
-        rows.append(
-            {
-                "input_ids": torch.tensor(ids + [pad_token_id] * fill),
-                "labels": torch.tensor(labels + [IGNORE_INDEX] * fill),
-                "position_ids": torch.tensor(positions + list(range(fill))),
-            }
-        )
+        row = {"input_ids": ids + [pad_token_id] * fill, "labels": labels + [IGNORE_INDEX] * fill}
+        row["position_ids"] = positions + list(range(fill))
+        rows.append({key: torch.tensor(values) for key, values in row.items()})
         ids.clear(), labels.clear(), positions.clear()
 
     for example_ids, example_labels in examples:
@@ -243,10 +222,6 @@ def pack_examples(
     if ids:
         close()
     return rows
-
-
-def _collate_rows(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    return {key: [row[key] for row in rows] for key in rows[0]}
 
 
 class SFTDataModule(LightningDataModule):
@@ -304,8 +279,6 @@ class SFTDataModule(LightningDataModule):
 
     def _read(self, source: str, split: str, setting: str) -> Dataset:
         data = load_prompts(source, split, subset=self.subset, task_kwargs=self.task_kwargs, setting=setting)
-        if len(data) == 0:
-            raise ConfigError(f"{setting} ({source}) is empty: it needs at least one row")
         if self.prompt_column not in data.column_names:
             raise ConfigError(
                 f"{setting} ({source}) has no prompt column {self.prompt_column!r} "
@@ -358,18 +331,15 @@ class SFTDataModule(LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader:
-        return self._eval_loader()
-
-    def test_dataloader(self) -> DataLoader:
-        return self._eval_loader()
-
-    def _eval_loader(self) -> DataLoader:
         if self.val_data is None:
             raise ConfigError("no held-out data: set data.val_dataset (and data.val_split)")
         data = self.val_data
         if self.trainer is not None and self.trainer.world_size > 1:
             data = data.shard(num_shards=self.trainer.world_size, index=self.trainer.global_rank, contiguous=True)
-        return DataLoader(data, batch_size=self.val_batch_size, shuffle=False, collate_fn=_collate_rows)
+        columns = lambda rows: {key: [row[key] for row in rows] for key in rows[0]}  # noqa: E731  (as GRPO's)
+        return DataLoader(data, batch_size=self.val_batch_size, shuffle=False, collate_fn=columns)
+
+    test_dataloader = val_dataloader  # ``test`` evaluates the same held-out prompts
 
 
 # ------------------------------------------------------------------------------------------- hand-off

@@ -39,19 +39,26 @@ class FSDP2Strategy(ModelParallelStrategy):
     Face folder.
     """
 
-    def __init__(self, data_parallel_size: int | str = "auto", weights_only: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        data_parallel_size: int | str = "auto",
+        tensor_parallel_size: int = 1,
+        weights_only: bool = False,
+        **kwargs: Any,
+    ) -> None:
         """
         Args:
             data_parallel_size: processes that shard the model; ``auto`` = all of them.
+            tensor_parallel_size: must stay 1: GRPOModule shards with FSDP2 only (a named argument, so that
+                configs list this default rather than ``ModelParallelStrategy``'s ``auto``).
             weights_only: ``torch.load``'s setting for the checkpoint's ``meta.pt`` on resume. ``False`` by
                 default: the saved hyperparameters hold config objects (``RewardSpec``, ...), and Lightning does not
                 pass ``fit(weights_only=...)`` on to strategies that restore after setup, as this one does. Resume
                 only from checkpoints you trust.
             **kwargs: the other arguments of ``ModelParallelStrategy`` (``save_distributed_checkpoint``,
-                ``process_group_backend``, ``timeout``); ``tensor_parallel_size`` defaults to 1.
+                ``process_group_backend``, ``timeout``).
         """
-        kwargs.setdefault("tensor_parallel_size", 1)
-        super().__init__(data_parallel_size=data_parallel_size, **kwargs)
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, **kwargs)
         self.weights_only = weights_only
 
     def setup_environment(self) -> None:

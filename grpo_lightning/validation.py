@@ -186,6 +186,23 @@ def check_state_dict_shapes(saved: Mapping[str, Any], expected: Mapping[str, Ten
             raise ConfigError(f"checkpoint {source} has no {missing[0]}: it belongs to another model")
 
 
+def check_checkpoint_fits(module: GRPOModule, checkpoint: dict[str, Any]) -> None:
+    """On load: refuse a checkpoint of another model (settings, then weight shapes); warn of changed settings."""
+    trainer = module._trainer
+    source = repr(str(getattr(trainer, "ckpt_path", None) or "")) if trainer is not None else "''"
+    saved = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items() if not k.startswith("_")}
+    current = {k: v for k, v in module.hparams.items() if not k.startswith("_")}
+    changed = check_checkpoint_hparams(saved, current, source)
+    if changed:
+        log.warning("checkpoint %s was made with other values of %s; the config's apply", source, ", ".join(changed))
+    state = checkpoint.get("state_dict")
+    if state is not None:
+        if module.ref is None:  # β is 0 now: no reference model to load a saved one into
+            for key in [k for k in state if k.startswith("ref.")]:
+                del state[key]
+        check_state_dict_shapes(state, module.state_dict(), source)
+
+
 def read_checkpoint_hparams(path: str) -> Mapping[str, Any] | None:
     """The ``hyper_parameters`` of a local checkpoint file, read without loading its tensors (memory-mapped)."""
     import torch

@@ -1,4 +1,7 @@
-"""The command line end to end: fit → checkpoint → validate, config composition, and bad input refused early."""
+"""The command line end to end: fit → checkpoint → validate, and config composition.
+
+Bad input refused early: tests/test_bad_inputs.py.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,54 +89,3 @@ def test_print_config_and_composition(tmp_path):
     assert printed["model"]["sampling"]["group_size"] == 6
     assert printed["model"]["sampling"]["max_new_tokens"] == 4  # from the base file
     assert printed["trainer"]["reload_dataloaders_every_n_epochs"] == 1
-
-
-def _bad(tmp_path: Path, name: str, edit) -> tuple[Path, list[str]]:
-    config = json.loads(json.dumps(TINY_CONFIG))
-    extra = edit(config, tmp_path) or []
-    return write_config(tmp_path / f"{name}.yaml", config), extra
-
-
-def _wrong_count_reward(config, tmp_path):
-    (tmp_path / "bad_rewards.py").write_text("def short(prompts, completions, **kw):\n    return [1.0]\n")
-    config["model"]["rewards"] = [{"name": "bad_rewards.short"}]
-
-
-def _non_number_reward(config, tmp_path):
-    (tmp_path / "bad_rewards2.py").write_text(
-        "def text(prompts, completions, **kw):\n    return ['yes'] * len(completions)\n"
-    )
-    config["model"]["rewards"] = [{"name": "bad_rewards2.text"}]
-
-
-def _file_dataset(rows):
-    def edit(config, tmp_path):
-        path = tmp_path / "data.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        config["data"].update({"dataset": str(path), "val_split": None, "task_kwargs": None})
-
-    return edit
-
-
-BAD_INPUTS = {
-    "unknown_key": (lambda c, t: c["model"].update({"lerning_rate": 1.0}), "lerning_rate"),
-    "group_size_1": (lambda c, t: c["model"]["sampling"].update({"group_size": 1}), "group_size"),
-    "missing_prompt_column": (_file_dataset([{"question": "1+1=", "answer": "2"}]), "prompt"),
-    "missing_answer_column": (_file_dataset([{"prompt": "1+1="}]), "answer"),
-    "empty_dataset": (_file_dataset([]), "data"),
-    "reward_wrong_count": (_wrong_count_reward, "bad_rewards.short"),
-    "reward_non_number": (_non_number_reward, "bad_rewards2.text"),
-    "unknown_reward": (lambda c, t: c["model"].update({"rewards": [{"name": "no_such_reward"}]}), "no_such_reward"),
-}
-
-
-@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
-def test_bad_input_fails_before_training_with_one_line(tmp_path, name):
-    edit, culprit = BAD_INPUTS[name]
-    cfg, _ = _bad(tmp_path, name, edit)
-    out = run_cli("fit", "--config", str(cfg), cwd=tmp_path, env={"PYTHONPATH": f"{ROOT}:{tmp_path}"})
-    assert out.returncode != 0
-    assert "Traceback" not in out.stderr, out.stderr[-3000:]
-    error_lines = [line for line in out.stderr.splitlines() if "error" in line.lower()]
-    assert error_lines and culprit in error_lines[-1], out.stderr[-2000:]
-    assert "Epoch 0" not in out.stdout + out.stderr  # refused before the first training step

@@ -13,7 +13,8 @@ scratch buffers are not seen. Inputs and weights that exist before a block are n
    vocabulary: ``naive`` takes the model's full ``[B, T, V]`` logits and a full ``log_softmax``;
    ``chunked`` is ``completion_logprobs``: the output layer projects ``--chunk`` tokens at a time.
 2. One GRPO update with β > 0 (module built inside the block: policy, reference, gradients, AdamW state,
-   activations): full fine-tuning (a frozen copy as reference) vs LoRA (reference = adapter disabled).
+   activations): full fine-tuning (a frozen copy as reference) vs LoRA (reference = adapter disabled), without
+   and with gradient checkpointing.
 """
 
 from __future__ import annotations
@@ -92,21 +93,28 @@ def bench_logprobs(args: argparse.Namespace, rows: int, *, with_grad: bool) -> N
 
 
 def bench_lora(args: argparse.Namespace) -> None:
-    """Print the peak of one GRPO update with β > 0, full fine-tuning vs LoRA."""
+    """Print the peak of one GRPO update with β > 0: full fine-tuning vs LoRA, without and with checkpointing."""
     size = TinyModelConfig(hidden_size=512, num_layers=4, num_heads=8, intermediate_size=1408)
-    runs = {"full fine-tune": None, f"LoRA r={args.lora_rank}": LoraConfig(r=args.lora_rank)}
-    peaks = {}
-    for name, lora in runs.items():
+    print(
+        "one GRPO update, beta = 0.04, 13M-parameter model, 16 × (32 + 64) tokens "
+        "(policy, reference, gradients, AdamW state, activations):"
+    )
+    for checkpointing in (False, True):
+        peaks = {}
+        for name, lora in (("full fine-tune", None), (f"LoRA r={args.lora_rank}", LoraConfig(r=args.lora_rank))):
 
-        def build(lora: LoraConfig | None = lora) -> GRPOModule:
-            return GRPOModule(tiny_model=size, objective=ObjectiveConfig(beta=0.04), lora=lora)
+            def build(lora: LoraConfig | None = lora, checkpointing: bool = checkpointing) -> GRPOModule:
+                return GRPOModule(
+                    tiny_model=size,
+                    objective=ObjectiveConfig(beta=0.04),
+                    lora=lora,
+                    gradient_checkpointing=checkpointing,
+                )
 
-        peaks[name] = update_peak_bytes(build, rows=16, prompt_len=32, completion_len=64)
-    print("one GRPO update, beta = 0.04 (policy, reference, gradients, AdamW state, activations):")
-    for name, peak in peaks.items():
-        print(f"  {name:16s} peak {peak / 2**20:8.1f} MiB")
-    full, lora = peaks.values()
-    print(f"  LoRA / full = {lora / full:.3f}")
+            peaks[name] = update_peak_bytes(build, rows=16, prompt_len=32, completion_len=64)
+        line = "   ".join(f"{name} {peak / 2**20:6.1f} MiB" for name, peak in peaks.items())
+        full, lora = peaks.values()
+        print(f"  gradient checkpointing {'on ' if checkpointing else 'off'}: {line}   LoRA / full = {lora / full:.3f}")
 
 
 def main() -> None:

@@ -87,7 +87,7 @@ def build_assets(settings: Settings, folder: Path) -> None:
         num_hidden_layers=settings.layers,
         num_attention_heads=settings.heads,
         num_key_value_heads=settings.heads,
-        max_position_embeddings=256,
+        max_position_embeddings=512,  # room for the scaling benchmark's 256-token completions
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
@@ -128,22 +128,18 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_ours(settings: Settings, folder: Path) -> dict[str, float]:
-    """Our public API, as a user would run a benchmark: no logger, checkpoints, progress bar or validation."""
+def make_ours(settings: Settings, folder: Path, callbacks: list[Any]) -> tuple[Any, Any, Any]:
+    """Our public API, as a user would set up a benchmark: no logger, checkpoints, progress bar or validation.
+
+    Returns ``(GRPOModule, RolloutDataModule, Trainer)`` ready for ``trainer.fit(module, datamodule=data)``.
+    """
     import lightning as L
 
     from grpo_lightning import GRPOModule, ObjectiveConfig, RewardSpec, RolloutDataModule, SamplingConfig
     from grpo_lightning.rewards import register
 
-    register("digit_fraction")(digit_fraction)
-    stamps: list[tuple[float, float]] = []
-
-    class StepTimer(L.Callback):
-        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-            stamps.append(stamp())  # one batch is one optimizer step (no gradient accumulation)
-
+    register("digit_fraction")(digit_fraction)  # registering the same function again is a no-op
     L.seed_everything(SEED, verbose=False)
-    steps = settings.warmup_steps + settings.measured_steps
     rollout = settings.prompts * settings.group_size
     module = GRPOModule(
         model_name_or_path=str(folder / "model"),
@@ -168,7 +164,7 @@ def run_ours(settings: Settings, folder: Path) -> dict[str, float]:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
-        max_steps=steps,
+        max_steps=settings.warmup_steps + settings.measured_steps,
         reload_dataloaders_every_n_epochs=1,
         use_distributed_sampler=False,
         num_sanity_val_steps=0,
@@ -178,8 +174,22 @@ def run_ours(settings: Settings, folder: Path) -> dict[str, float]:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[StepTimer()],
+        callbacks=callbacks,
     )
+    return module, data, trainer
+
+
+def run_ours(settings: Settings, folder: Path) -> dict[str, float]:
+    """Our side: GRPOModule + RolloutDataModule + Trainer, a callback timestamping every optimizer step."""
+    import lightning as L
+
+    stamps: list[tuple[float, float]] = []
+
+    class StepTimer(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            stamps.append(stamp())  # one batch is one optimizer step (no gradient accumulation)
+
+    module, data, trainer = make_ours(settings, folder, [StepTimer()])
     trainer.fit(module, datamodule=data)
     return summarize(stamps, settings)
 

@@ -99,7 +99,11 @@ def build_module(config: list[str], overrides: list[str]) -> tuple[GRPOModule, A
     args = [arg for path in config for arg in ("--config", path)]
     # The Trainer is built by the CLI but never run: no logger, no callbacks (no files, no W&B run).
     args += [*overrides, "--trainer.logger=false", "--trainer.callbacks=[]", "--trainer.enable_checkpointing=false"]
-    cli = GRPOCLI(args=args, run=False)
+    argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI warns when given args while sys.argv has others too
+    try:
+        cli = GRPOCLI(args=args, run=False)
+    finally:
+        sys.argv = argv
     return cli.model, cli.datamodule
 
 
@@ -150,7 +154,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     rows = load_prompts(data.source, args.split or data.train_split, subset=data.subset, task_kwargs=data.task_kwargs)
     if data.prompt_column != "prompt":
-        rows = rows.remove_columns([c for c in ("prompt",) if c in rows.column_names])
+        if "prompt" in rows.column_names:
+            rows = rows.remove_columns("prompt")
         rows = rows.rename_column(data.prompt_column, "prompt")
     order = list(range(len(rows)))
     if args.num_prompts is not None and args.num_prompts < len(rows):

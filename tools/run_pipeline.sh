@@ -12,15 +12,20 @@
 #
 #   bash tools/run_pipeline.sh                 # PYTHON=... to choose the interpreter
 #   COLD_START_ROWS=20000 RS_PROMPTS=2000 bash tools/run_pipeline.sh
+#
+# The base model of stage 1 is the shipped tiny-arith (itself the result of a longer cold start on the same teacher,
+# tools/make_quickstart_model.py). BASE=null starts from a random tiny Llama instead; it then needs about 40×
+# more cold-start data (COLD_START_ROWS=768000, as make_quickstart_model.py uses) to add at all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python}
 RUN=runs/pipeline
-COLD_START_ROWS=${COLD_START_ROWS:-19000}   # sloppy-teacher answers for stage 1 (two per training prompt)
-RS_PROMPTS=${RS_PROMPTS:-2000}              # training prompts rejection-sampled in stage 3
-RS_K=${RS_K:-8}                             # samples per prompt
-RM_STEPS=${RM_STEPS:-200}                   # reward-model training steps (before stage 4)
+BASE=${BASE:-grpo_lightning/assets/tiny-arith}  # the model stage 1 starts from
+COLD_START_ROWS=${COLD_START_ROWS:-19000}       # sloppy-teacher answers for stage 1 (two per training prompt)
+RS_PROMPTS=${RS_PROMPTS:-2000}                  # training prompts rejection-sampled in stage 3
+RS_K=${RS_K:-8}                                 # samples per prompt
+RM_STEPS=${RM_STEPS:-200}                       # reward-model training steps (before stage 4)
 export WANDB_MODE=${WANDB_MODE:-offline} TOKENIZERS_PARALLELISM=false
 
 rm -rf "$RUN"
@@ -64,7 +69,7 @@ with open(path, "w") as f:
         f.write(json.dumps({"prompt": format_prompt(a, b), "response": str(teacher_answer(a, b, 0.7, rng))}) + "\n")
 print(f"wrote {rows} sloppy-teacher answers to {path}")
 EOF
-"$PYTHON" -m grpo_lightning.sft fit --config configs/pipeline/1_cold_start_sft.yaml
+"$PYTHON" -m grpo_lightning.sft fit --config configs/pipeline/1_cold_start_sft.yaml --model.model_name_or_path "$BASE"
 report "1. cold-start SFT (sloppy teacher)" "$RUN/1_cold_start_sft" "$start"
 
 # ---- stage 2: reasoning RL, rule-based reward

@@ -64,8 +64,9 @@ def load(init: str | None, seed: int) -> tuple[torch.nn.Module, object]:
     torch.manual_seed(seed)
     if init is None:
         tokenizer = build_char_tokenizer()
-        causal = build_tiny_llama(TinyModelConfig(), tokenizer)
-        model = LlamaForSequenceClassification(causal.config.__class__(**{**causal.config.to_dict(), "num_labels": 1}))
+        config = build_tiny_llama(TinyModelConfig(), tokenizer).config
+        config.num_labels = 1
+        model = LlamaForSequenceClassification(config)
     else:
         tokenizer = AutoTokenizer.from_pretrained(init)
         model = AutoModelForSequenceClassification.from_pretrained(init, num_labels=1)

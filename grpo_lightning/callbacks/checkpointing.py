@@ -35,7 +35,7 @@ from grpo_lightning.config import ConfigError, ObjectiveConfig, SamplingConfig
 from grpo_lightning.lora import LoraConfig
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.rewards.combine import RewardSpec
-from grpo_lightning.validation import check_checkpoint_hparams, check_state_dict_shapes
+from grpo_lightning.validation import check_checkpoint_fits
 
 if TYPE_CHECKING:
     from grpo_lightning.module import GRPOModule
@@ -106,24 +106,12 @@ def module_checkpoint_state(module: GRPOModule) -> dict[str, Any]:
 def restore_module_checkpoint(module: GRPOModule, checkpoint: dict[str, Any]) -> None:
     """``GRPOModule.on_load_checkpoint``: refuse another model's checkpoint, then restore the RNGs and loops."""
     trainer = module._trainer
-    source = repr(str(getattr(trainer, "ckpt_path", None) or "")) if trainer is not None else "''"
-    saved = checkpoint.get("hyper_parameters") or {}
-    current = {k: v for k, v in module.hparams.items() if not k.startswith("_")}
-    changed = check_checkpoint_hparams({k: v for k, v in saved.items() if not k.startswith("_")}, current, source)
-    if changed:
-        log.warning("checkpoint %s was made with other values of %s; the config's apply", source, ", ".join(changed))
-    state = checkpoint.get("state_dict")
-    if state is not None:
-        if module.ref is None:
-            # β is 0 now: no reference model to load a saved one into.
-            for key in [k for k in state if k.startswith("ref.")]:
-                del state[key]
-        check_state_dict_shapes(state, module.state_dict(), source)
+    check_checkpoint_fits(module, checkpoint)
     rank = module.global_rank
     per_rank = checkpoint.get("rng_states")
     if per_rank:
         if len(per_rank) != (trainer.world_size if trainer is not None else 1):
-            log.warning("checkpoint %s was made by %d processes: the sampling streams change", source, len(per_rank))
+            log.warning("the checkpoint was made by %d processes: the sampling streams change", len(per_rank))
         entry = per_rank[rank] if rank < len(per_rank) else {}
         restore_rng_states(entry)
         module.set_sampling_generator_state(entry.get("sampling_generator"))
@@ -311,7 +299,10 @@ class RoundCheckpoint(ModelCheckpoint):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """A failure (or SIGTERM) during a rollout: save the last completed round, which nothing has changed."""
         super().on_exception(trainer, pl_module, exception)
-        if not self._at_boundary or self._boundary is None or trainer.world_size > 1:
+        at_boundary, self._at_boundary = self._at_boundary, False  # a SIGTERM from now on only sets the flag
+        # Lightning skips the teardown hooks after an exception: the SIGTERM handler is put back here.
+        self._restore_handler()
+        if not at_boundary or self._boundary is None or trainer.world_size > 1:
             # Mid-round the last completed round is no longer in memory; under data parallelism the other ranks
             # may not be here to take part in a save.
             if self.last_model_path:
@@ -333,9 +324,7 @@ class RoundCheckpoint(ModelCheckpoint):
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Put back the SIGTERM handler that was there before ``fit``."""
-        if self._handler_installed:
-            signal.signal(signal.SIGTERM, self._previous_handler)
-            self._handler_installed = False
+        self._restore_handler()
         self._at_boundary, self._boundary = False, None
 
     # ---------------------------------------------------------------------------------------- SIGTERM
@@ -349,6 +338,13 @@ class RoundCheckpoint(ModelCheckpoint):
         elif not exclusive:
             return
         signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _restore_handler(self) -> None:
+        if self._handler_installed and _in_main_thread():
+            # None: the previous handler was not installed from Python; the default is the closest.
+            previous = self._previous_handler if self._previous_handler is not None else signal.SIG_DFL
+            signal.signal(signal.SIGTERM, previous)
+            self._handler_installed = False
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         if self._sigterm:

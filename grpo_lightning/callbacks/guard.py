@@ -83,8 +83,13 @@ class NonFiniteGuard:
                 param.grad = None
         self.skipped(culprits, trainer.current_epoch + 1, trainer.global_step)
 
-    def record(self, culprits: Iterable[str]) -> None:
-        """Remember what a micro-batch found non-finite, for the optimizer step it accumulates into."""
+    def record(self, *stages: Iterable[str]) -> None:
+        """Remember what a micro-batch found non-finite, for the optimizer step it accumulates into.
+
+        ``stages`` go from cause to effect (inputs, then the loss terms computed from them): the first non-empty
+        one is kept.
+        """
+        culprits = next((list(stage) for stage in stages if stage), [])
         for culprit in culprits:
             if culprit not in self._culprits:
                 self._culprits.append(culprit)
@@ -100,13 +105,19 @@ class NonFiniteGuard:
         return [name for (name, _), ok in zip(named, finite.tolist()) if not ok]
 
     def should_skip(self, bad_gradients: list[str]) -> list[str]:
-        """The culprits of the pending step (empty: take it); clears them for the next step."""
+        """The culprits of the pending step (empty: take it); clears them for the next step.
+
+        Only the most upstream ones are named: a NaN advantage makes the loss and every gradient NaN too, and
+        naming those would hide the cause.
+        """
         culprits, self._culprits = self._culprits, []
+        if culprits:
+            return culprits
         if bad_gradients:
             more = len(bad_gradients) - 3
             shown = ", ".join(bad_gradients[:3]) + (f" and {more} more" if more > 0 else "")
-            culprits = [*culprits, f"gradients of {shown}"]
-        return culprits
+            return [f"gradients of {shown} (the loss was finite)"]
+        return []
 
     def skipped(self, culprits: list[str], round_index: int, step: int) -> None:
         """Count a skipped step and log it; raise :class:`NonFiniteError` after ``max_skips`` in a row."""
@@ -123,7 +134,8 @@ class NonFiniteGuard:
         )
         if self.consecutive >= self.max_skips:
             raise NonFiniteError(
-                f"{self.consecutive} optimizer steps in a row had non-finite values (last: round {round_index}, "
+                f"{self.consecutive} optimizer step{'s' if self.consecutive > 1 else ''} in a row had non-finite "
+                f"values (last: round {round_index}, "
                 f"step {step}: {what}); stopped so that no NaN reaches the weights. Raise "
                 "model.max_nonfinite_skips to tolerate more, or lower model.lr"
             )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 # Log-probs live in logprobs.py (chunked, bounded memory); imported here for the callers that expect them here.
 from grpo_lightning.rollout.logprobs import (  # noqa: F401
@@ -36,7 +37,8 @@ class Completions:
 
 def filter_logits(logits: Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     """Temperature, then top-k, then top-p (nucleus) filtering; removed tokens get -inf."""
-    logits = logits / temperature
+    if temperature != 1.0:  # a full pass over [B, V] saved in the common case
+        logits = logits / temperature
     if 0 < top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -59,11 +61,61 @@ def sample_next(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> Tensor:
-    """One token per row from ``logits`` ``[B, V]``."""
+    """One token per row from ``logits`` ``[B, V]``: the argmax when ``greedy``, else a draw from the filtered softmax.
+
+    The draw inverts the cumulative distribution with one uniform number per row, which is exact and several times
+    cheaper than ``torch.multinomial`` (that draws an exponential variate for every vocabulary entry).
+    """
     if greedy:
         return logits.argmax(-1)
-    probs = filter_logits(logits.float(), temperature=temperature, top_k=top_k, top_p=top_p).softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    logits = filter_logits(logits.float(), temperature=temperature, top_k=top_k, top_p=top_p)
+    # Unnormalised probabilities: comparing against u × total mass is the same as normalising first. Filtered
+    # tokens have zero mass, so the cumulative sum is flat there and they are never the first index reaching u.
+    cdf = (logits - logits.amax(-1, keepdim=True)).exp_().cumsum_(-1)
+    uniform = torch.rand(cdf.size(0), 1, device=cdf.device, generator=generator)
+    threshold = (1.0 - uniform) * cdf[:, -1:]  # in (0, total]: never selects a token of zero mass at index 0
+    return (cdf < threshold).sum(-1).clamp_(max=cdf.size(-1) - 1)
+
+
+class _PreallocatedLayer(DynamicLayer):
+    """A full-attention KV-cache layer that writes each new position into a buffer sized for the whole completion.
+
+    ``DynamicLayer`` concatenates at every decoding step, copying the whole cache each time (traffic quadratic in
+    the length, and two copies alive at once). This layer is built from a prefilled one, repeating each prompt's
+    keys and values for the G samples of its group straight into the buffer, and then writes one position per step;
+    attention reads a view of the filled part.
+    """
+
+    def __init__(self, prefilled: DynamicLayer, repeats: int, capacity: int) -> None:
+        super().__init__()
+        keys, values = prefilled.keys, prefilled.values
+        rows, length = keys.size(0), keys.size(-2)
+        self._keys = keys.new_empty(rows * repeats, keys.size(1), capacity, keys.size(-1))
+        self._values = values.new_empty(rows * repeats, values.size(1), capacity, values.size(-1))
+        for buffer, prefix in ((self._keys, keys), (self._values, values)):
+            buffer.view(rows, repeats, *buffer.shape[1:])[..., :length, :] = prefix[:, None]
+        self.device, self.is_initialized = keys.device, True
+        self.keys, self.values = self._keys[..., :length, :], self._values[..., :length, :]
+
+    def update(
+        self, key_states: Tensor, value_states: Tensor, *args: object, **kwargs: object
+    ) -> tuple[Tensor, Tensor]:
+        start = self.keys.size(-2)
+        end = start + key_states.size(-2)
+        self._keys[..., start:end, :] = key_states
+        self._values[..., start:end, :] = value_states
+        self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
+        return self.keys, self.values
+
+
+def _repeat_cache(cache: DynamicCache, repeats: int, capacity: int) -> None:
+    """Repeat every prompt's cache ``repeats`` times, into preallocated buffers when all layers are plain ones."""
+    layers = getattr(cache, "layers", None)
+    # Sliding-window, linear-attention or quantized layers keep their own update rules: repeat them as they are.
+    if layers and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers):
+        cache.layers = [_PreallocatedLayer(layer, repeats, capacity) for layer in layers]
+    else:
+        cache.batch_repeat_interleave(repeats)
 
 
 def _cache_kwarg(model: PreTrainedModel) -> str:
@@ -104,7 +156,7 @@ def sample_completions(
         **{cache_kwarg: cache},
     )
     # The prompt is prefilled once; its cache is then repeated for the G samples of its group.
-    cache.batch_repeat_interleave(group_size)
+    _repeat_cache(cache, group_size, capacity=prompt_ids.size(1) + max_new_tokens)
     logits = out.logits[:, -1].repeat_interleave(group_size, dim=0)
     attention = prompt_mask.repeat_interleave(group_size, dim=0)
     next_position = positions[:, -1:].repeat_interleave(group_size, dim=0) + 1
@@ -121,10 +173,13 @@ def sample_completions(
         )
         token = token.masked_fill(finished, pad_token_id)
         tokens[:, step] = token
-        just_ended = ~finished & (token == eos_token_id)
-        lengths = torch.where(just_ended, step + 1, lengths)
-        finished |= just_ended
-        if step + 1 == max_new_tokens or bool(finished.all()):
+        if step >= min_new_tokens:  # earlier steps cannot draw EOS: no bookkeeping, no host sync
+            just_ended = ~finished & (token == eos_token_id)
+            lengths = torch.where(just_ended, step + 1, lengths)
+            finished |= just_ended
+            if bool(finished.all()):
+                break
+        if step + 1 == max_new_tokens:
             break
         attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
         out = model(

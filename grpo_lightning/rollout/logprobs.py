@@ -69,6 +69,7 @@ class LinearLogprobs(torch.autograd.Function):
             if with_entropy:
                 # H = -Σ p log p = logsumexp(x) - Σ p x
                 out[rows, 1] = lse[rows] - _rowdot(torch.softmax(logits, dim=-1), logits)
+            del logits  # before the next chunk's buffers exist, not after
         ctx.save_for_backward(hidden, weight, bias, labels, lse, out)
         ctx.options = (temperature, with_entropy, chunk_size, dtype)
         return out
@@ -85,14 +86,15 @@ class LinearLogprobs(torch.autograd.Function):
             rows = slice(start, start + chunk_size)
             g_lp = grad_out[rows, 0, None].float()
             log_p = _project(hidden[rows], weight, bias, dtype, temperature).sub_(lse[rows, None])
-            p = log_p.exp()
-            # d log p(y) / dx = onehot(y) - p ;  d H / dx = -p (log p + H): both written into the log_p buffer.
+            # d log p(y) / dx = onehot(y) - p ;  d H / dx = -p (log p + H): written over the log_p buffer.
             if with_entropy:
+                p = log_p.exp()
                 g_h = grad_out[rows, 1, None].float()
                 grad = log_p.add_(out[rows, 1, None]).mul_(-g_h).sub_(g_lp).mul_(p)
+                del p
             else:
-                grad = p.mul_(-g_lp)
-            del p
+                grad = log_p.exp_().mul_(-g_lp)  # p, then its part of the gradient, in one buffer
+            del log_p
             grad.scatter_add_(-1, labels[rows, None], g_lp)
             if temperature != 1.0:
                 grad.div_(temperature)
@@ -106,6 +108,7 @@ class LinearLogprobs(torch.autograd.Function):
                     grad_weight += (grad.t() @ hidden[rows].to(dtype)).float()
             if grad_bias is not None:
                 grad_bias += grad.float().sum(0)
+            del grad  # before the next chunk's buffers exist, not after
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
         grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
