@@ -159,7 +159,16 @@ def main(args: list[str] | None = None) -> None:
 
     Exit status 2 for bad settings, data or reward functions, 1 for a run stopped by non-finite values; a run
     stopped by SIGTERM exits with 0 after saving its checkpoint. Set ``GRPO_DEBUG=1`` for full tracebacks.
+    ``python -m grpo_lightning sft fit|validate ...`` runs supervised fine-tuning (``grpo_lightning.sft``) instead.
     """
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["sft"]:
+        from grpo_lightning.sft import main as sft_main
+
+        if args is None:  # from the shell: LightningCLI reads sys.argv itself
+            sys.argv = [sys.argv[0], *argv[1:]]
+            return sft_main()
+        return sft_main(argv[1:])
     try:
         GRPOCLI(args=args)
     except Exception as err:

@@ -69,7 +69,7 @@ with open(path, "w") as f:
         f.write(json.dumps({"prompt": format_prompt(a, b), "response": str(teacher_answer(a, b, 0.7, rng))}) + "\n")
 print(f"wrote {rows} sloppy-teacher answers to {path}")
 EOF
-"$PYTHON" -m grpo_lightning.sft fit --config configs/pipeline/1_cold_start_sft.yaml --model.model_name_or_path "$BASE"
+"$PYTHON" -m grpo_lightning sft fit --config configs/pipeline/1_cold_start_sft.yaml --model.model_name_or_path "$BASE"
 report "1. cold-start SFT (sloppy teacher)" "$RUN/1_cold_start_sft" "$start"
 
 # ---- stage 2: reasoning RL, rule-based reward
@@ -82,7 +82,7 @@ start=$SECONDS
 "$PYTHON" tools/rejection_sample.py --config configs/pipeline/2_reasoning_rl.yaml \
     --ckpt_path "$RUN/2_reasoning_rl/checkpoints/last.ckpt" --out "$RUN/3_rejection_sft/data.jsonl" \
     --k "$RS_K" --mode best --threshold 1.0 --num_prompts "$RS_PROMPTS"
-"$PYTHON" -m grpo_lightning.sft fit --config configs/pipeline/3_rejection_sft.yaml
+"$PYTHON" -m grpo_lightning sft fit --config configs/pipeline/3_rejection_sft.yaml
 report "3. rejection sampling + SFT" "$RUN/3_rejection_sft" "$start"
 
 # ---- stage 4: second RL stage, exact_answer + reward model (trained here, from the stage-1 model)
