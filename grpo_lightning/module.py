@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
 from typing import Any, Literal
 
 import torch
@@ -34,6 +33,7 @@ from grpo_lightning.rollout.generation import (
     DEFAULT_LOGPROB_CHUNK,
     Completions,
     completion_logprobs,
+    concat_completions,
     sample_completions,
 )
 from grpo_lightning.rollout.steps import step_token_ends
@@ -509,27 +509,3 @@ class GRPOModule(LightningModule):
             for key, value in self.ref.state_dict().items():
                 state.setdefault(f"ref.{key}", value)
         restore_module_checkpoint(self, checkpoint)
-
-    def objective_summary(self) -> dict[str, Any]:
-        """The sampling and objective settings as one flat dict (for logs and reports)."""
-        return {**asdict(self.sampling), **asdict(self.objective)}
-
-
-def concat_completions(chunks: list[Completions], pad_token_id: int) -> Completions:
-    """Join chunks of completions, padding prompts on the left and completions on the right."""
-    if len(chunks) == 1:
-        return chunks[0]
-    prompt_len = max(c.prompt_ids.size(1) for c in chunks)
-    completion_len = max(c.completion_ids.size(1) for c in chunks)
-
-    def pad(t: Tensor, length: int, value: int, left: bool) -> Tensor:
-        extra = length - t.size(1)
-        return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra), value=value)
-
-    return Completions(
-        prompt_ids=torch.cat([pad(c.prompt_ids, prompt_len, pad_token_id, True) for c in chunks]),
-        prompt_mask=torch.cat([pad(c.prompt_mask, prompt_len, 0, True) for c in chunks]),
-        completion_ids=torch.cat([pad(c.completion_ids, completion_len, pad_token_id, False) for c in chunks]),
-        completion_mask=torch.cat([pad(c.completion_mask, completion_len, 0, False) for c in chunks]),
-        truncated=torch.cat([c.truncated for c in chunks]),
-    )

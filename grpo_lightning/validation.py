@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, fields, is_dataclass
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
@@ -127,18 +127,30 @@ def _plain(value: Any) -> Any:
 
 def structural_hparams(hparams: Mapping[str, Any]) -> dict[str, Any]:
     """The settings that decide the weights' shapes, normalised (defaults filled in) so that equal means same."""
+    from grpo_lightning.lora import LoraConfig
+    from grpo_lightning.models.tiny import TinyModelConfig
+
     name = hparams.get("model_name_or_path")
-    tiny = None
-    if name is None:  # the tiny model's size matters only when it is the model
-        from grpo_lightning.models.tiny import TinyModelConfig
+    # The tiny model's size matters only when it is the model.
+    tiny = None if name is not None else _normalised(TinyModelConfig, hparams.get("tiny_model") or {})
+    lora = hparams.get("lora")
+    return {
+        "model_name_or_path": name,
+        "tiny_model": tiny,
+        "lora": None if lora is None else _normalised(LoraConfig, lora),
+    }
 
-        tiny = asdict(TinyModelConfig(**(_plain(hparams.get("tiny_model")) or {})))
-    lora = _plain(hparams.get("lora"))
-    if lora is not None:
-        from grpo_lightning.lora import LoraConfig
 
-        lora = asdict(LoraConfig(**lora))
-    return {"model_name_or_path": name, "tiny_model": tiny, "lora": lora}
+def _normalised(cls: type, value: Any) -> Any:
+    """``value`` (instance, dict or parsed namespace) as the dict of a ``cls`` built from it, defaults filled in."""
+    value = _plain(value)
+    if not isinstance(value, dict):
+        return value
+    known = {f.name for f in fields(cls)}
+    try:
+        return asdict(cls(**{k: v for k, v in value.items() if k in known}))
+    except Exception:  # a value the settings class refuses: compare as given (it differs, or fails elsewhere)
+        return value
 
 
 def check_checkpoint_hparams(saved: Mapping[str, Any], current: Mapping[str, Any], source: str) -> list[str]:
@@ -209,6 +221,9 @@ def read_checkpoint_hparams(path: str) -> Mapping[str, Any] | None:
 
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as err:  # not a checkpoint at all: say so in one line
+    except Exception as err:
+        if "Weights only load failed" in str(err):
+            return None  # objects beyond plain data: Lightning's own load decides (see its weights_only setting)
+        # Not a checkpoint at all: say so in one line.
         raise ConfigError(f"ckpt_path: cannot read {path!r} as a checkpoint ({type(err).__name__})") from None
     return checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None

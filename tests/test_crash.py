@@ -59,7 +59,7 @@ class Marker(Callback):
         def marked_generate(prompts, *, greedy=False):
             self._mark(f"generate {trainer.current_epoch + 1}")
             if self._slow(trainer):
-                time.sleep(0.4)
+                time.sleep(1.0)  # wide windows: the signal lands where intended even on a loaded machine
             return generate(prompts, greedy=greedy)
 
         module.generate = marked_generate
@@ -67,7 +67,7 @@ class Marker(Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self._mark(f"step {trainer.current_epoch + 1} {trainer.global_step}")
         if self._slow(trainer):
-            time.sleep(0.2)
+            time.sleep(0.5)
 
     def on_train_epoch_end(self, trainer, module):
         if self._slow(trainer) and os.environ[SLOW_ENV].endswith("w"):
@@ -156,8 +156,8 @@ KILL_MOMENTS = {
     "generation": ("generate 4", 0.1),
     "between_steps": ("step 4 7", 0.05),
     "checkpoint_write": ("save 4", 0.5),
-    "random_a": ("generate 4", random.Random(41).uniform(0.0, 0.9)),
-    "random_b": ("generate 4", random.Random(42).uniform(0.0, 0.9)),
+    "random_a": ("generate 4", random.Random(41).uniform(0.0, 2.0)),
+    "random_b": ("generate 4", random.Random(42).uniform(0.0, 2.0)),
 }
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from grpo_lightning.rollout.generation import filter_logits, sample_completions, sample_next
+from grpo_lightning.rollout.generation import completion_logprobs, filter_logits, sample_completions, sample_next
 
 # Distinct values (no ties, so top-k/top-p keep the same set whatever the sort order), none at a top-p boundary.
 LOGITS = torch.tensor([2.0, -1.0, 0.5, 3.1, 1.2, -0.3, 0.0, 2.6, -2.2, 0.9])
@@ -146,3 +146,29 @@ def test_fixed_length_sampling_matches_generate_with_min_new_tokens(tiny_llama, 
     )
     assert out.completion_ids.shape == (16, 10)
     assert (out.completion_ids != tokenizer.eos_token_id).all() and out.completion_mask.all() and out.truncated.all()
+
+
+def test_returned_logprobs_are_the_policy_logprobs_of_the_drawn_tokens(tiny_llama, tokenizer) -> None:
+    """π_old from the sampler equals a full forward's log-probs (tempered, unfiltered), padding 0."""
+    enc = tokenizer(["12+34=", "5+6="], padding=True, return_tensors="pt")
+    out = sample_completions(
+        tiny_llama,
+        enc["input_ids"],
+        enc["attention_mask"],
+        group_size=4,
+        max_new_tokens=8,
+        min_new_tokens=2,
+        temperature=0.7,
+        top_k=5,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        generator=torch.Generator().manual_seed(3),
+        return_logprobs=True,
+    )
+    with torch.no_grad():
+        expected, _ = completion_logprobs(
+            tiny_llama, out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask, temperature=0.7
+        )
+    mask = out.completion_mask.bool()
+    torch.testing.assert_close(out.logprobs[mask], expected[mask], atol=1e-5, rtol=1e-5)
+    assert (out.logprobs[~mask] == 0).all()

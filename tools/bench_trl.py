@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,7 @@ class Settings:
 SETTINGS = {
     "A": Settings(128, 4, 4, 256, 8, 8, 16, 6, 1, 0.04, warmup_steps=10, measured_steps=30),
     # μ = 2: a round is two optimizer steps, so warm-up and measured windows are whole rounds.
-    "B": Settings(512, 8, 8, 1408, 4, 8, 64, 32, 2, 0.04, warmup_steps=6, measured_steps=16),
+    "B": Settings(512, 8, 8, 1408, 4, 8, 64, 32, 2, 0.04, warmup_steps=4, measured_steps=12),
 }
 
 
@@ -254,23 +254,20 @@ def child(framework: str, settings: Settings, folder: Path) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def run_child(framework: str, name: str, settings: Settings, folder: Path) -> dict[str, float]:
+def run_child(framework: str, name: str, settings: Settings, folder: Path, threads: int | None) -> dict[str, float]:
     """Run one measurement in a fresh interpreter (so start-up, caches and peak memory are its own)."""
     steps = [str(settings.warmup_steps), str(settings.measured_steps)]
     cmd = [sys.executable, __file__, "--child", framework, "--settings", name, "--steps", *steps]
     cmd += ["--assets", str(folder)]
     env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    if threads is not None:  # both sides alike; unset: torch's default (one thread per core)
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
         raise RuntimeError(f"{framework} run for settings {name} failed (exit {proc.returncode})")
     return json.loads(lines[-1][len("RESULT ") :])
-
-
-def load_average() -> str:
-    """The 1-minute load average: other processes share the CPU, and both sides should see the same load."""
-    return f"{os.getloadavg()[0]:.2f}"
 
 
 def main() -> None:
@@ -280,6 +277,7 @@ def main() -> None:
     parser.add_argument(
         "--steps", nargs=2, type=int, metavar=("WARMUP", "MEASURED"), help="override the steps timed (all settings)"
     )
+    parser.add_argument("--threads", type=int, help="CPU threads per run (default: torch's default, one per core)")
     parser.add_argument("--child", choices=("ours", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--assets", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -290,7 +288,7 @@ def main() -> None:
         child(args.child, chosen[args.settings[0]], args.assets)
         return
 
-    rows = []
+    rows, loads = [], []
     for name, settings in chosen.items():
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp)
@@ -300,38 +298,41 @@ def main() -> None:
             for run in range(args.runs):
                 # Alternate which framework goes first, so that load drifts hit both alike.
                 for framework in ("trl", "ours") if run % 2 == 0 else ("ours", "trl"):
-                    load = load_average()
-                    result = run_child(framework, name, settings, folder)
+                    loads.append(os.getloadavg()[0])
+                    result = run_child(framework, name, settings, folder, args.threads)
                     results[framework].append(result)
                     print(
-                        f"settings {name} run {run + 1} {framework:>4}: {result['s_per_step']:.4f} s/step, "
-                        f"peak RSS {result['peak_rss_mb']:.0f} MiB (load {load} before)",
+                        f"settings {name} run {run + 1} {framework:>4}: {result['s_per_step']:.4f} s/step "
+                        f"(CPU {result['cpu_s_per_step']:.4f}), peak RSS {result['peak_rss_mb']:.0f} MiB, "
+                        f"load {loads[-1]:.2f} before",
                         flush=True,
                     )
-        med = {
-            fw: {key: statistics.median(r[key] for r in runs) for key in ("s_per_step", "peak_rss_mb")}
-            for fw, runs in results.items()
-        }
+        med = {fw: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for fw, runs in results.items()}
         rows.append((name, settings, params, med))
 
-    print("\n| settings | TRL s/step | ours s/step | ratio ours/TRL | TRL peak RSS MiB | ours peak RSS MiB |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "\n| settings | TRL s/step | ours s/step | ratio ours/TRL | TRL CPU s/step | ours CPU s/step "
+        "| TRL peak RSS MiB | ours peak RSS MiB |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for name, s, params, med in rows:
         label = (
             f"{name}: {params / 1e6:.2f}M params, {s.prompts}×G={s.group_size}, {s.new_tokens} new tokens, "
-            f"prompt {s.prompt_len}, β={s.beta}, μ={s.mu}"
+            f"prompt {s.prompt_len}, β={s.beta}, μ={s.mu}, steps {s.warmup_steps}+{s.measured_steps}"
         )
         trl, ours = med["trl"], med["ours"]
         print(
             f"| {label} | {trl['s_per_step']:.3f} | {ours['s_per_step']:.3f} | "
-            f"{ours['s_per_step'] / trl['s_per_step']:.2f} | {trl['peak_rss_mb']:.0f} | {ours['peak_rss_mb']:.0f} |"
+            f"{ours['s_per_step'] / trl['s_per_step']:.2f} | {trl['cpu_s_per_step']:.3f} | "
+            f"{ours['cpu_s_per_step']:.3f} | {trl['peak_rss_mb']:.0f} | {ours['peak_rss_mb']:.0f} |"
         )
-    print()
+    threads = args.threads or "torch default"
+    print(f"\n(median of {args.runs} runs each; threads per run: {threads}; ", end="")
+    print(f"1-minute load average before the runs: {min(loads):.2f} to {max(loads):.2f} on {os.cpu_count()} CPUs)\n")
     for name, _, _, med in rows:
         ratio = med["ours"]["s_per_step"] / med["trl"]["s_per_step"]
         mem_ratio = med["ours"]["peak_rss_mb"] / med["trl"]["peak_rss_mb"]
         print(f"settings={name} ratio={ratio:.2f} mem_ratio={mem_ratio:.2f}")
-    print(f"\n(settings: {json.dumps({n: asdict(s) for n, s, _, _ in rows})})")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,9 @@ class Completions:
     completion_ids: Tensor  # [N, T] right-padded with pad_token_id
     completion_mask: Tensor  # [N, T] 1 for generated tokens up to and including EOS
     truncated: Tensor  # [N] bool: ended by the length limit, not by EOS
+    # [N, T] log-probs of the drawn tokens under the sampling policy (temperature applied, before top-k/top-p),
+    # 0 on padding; only with ``sample_completions(..., return_logprobs=True)``: π_old without another forward.
+    logprobs: Tensor | None = None
 
 
 def filter_logits(logits: Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
@@ -141,8 +144,13 @@ def sample_completions(
     top_p: float = 1.0,
     greedy: bool = False,
     generator: torch.Generator | None = None,
+    return_logprobs: bool = False,
 ) -> Completions:
-    """Sample ``group_size`` completions for each left-padded prompt in ``prompt_ids`` ``[B, P]``."""
+    """Sample ``group_size`` completions for each left-padded prompt in ``prompt_ids`` ``[B, P]``.
+
+    With ``return_logprobs``, ``Completions.logprobs`` holds each drawn token's log-probability under the tempered
+    distribution of the sampling policy, which is what GRPO's old-policy log-probs are when μ > 1.
+    """
     cache_kwarg = _cache_kwarg(model)
     num_prompts, device = prompt_ids.size(0), prompt_ids.device
     positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -165,7 +173,11 @@ def sample_completions(
     tokens = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     finished = torch.zeros(n, dtype=torch.bool, device=device)
     lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=device)
+    logprobs = torch.zeros(n, max_new_tokens, device=device) if return_logprobs else None
     for step in range(max_new_tokens):
+        if logprobs is not None:  # before the EOS ban: the training forward scores tokens without it
+            scores = logits.float() / temperature if temperature != 1.0 else logits.float()
+            all_logprobs = scores.log_softmax(-1)
         if step < min_new_tokens:
             logits[:, eos_token_id] = float("-inf")
         token = sample_next(
@@ -173,6 +185,8 @@ def sample_completions(
         )
         token = token.masked_fill(finished, pad_token_id)
         tokens[:, step] = token
+        if logprobs is not None:
+            logprobs[:, step] = all_logprobs.gather(-1, token[:, None]).squeeze(-1).masked_fill(finished, 0.0)
         if step >= min_new_tokens:  # earlier steps cannot draw EOS: no bookkeeping, no host sync
             just_ended = ~finished & (token == eos_token_id)
             lengths = torch.where(just_ended, step + 1, lengths)
@@ -201,4 +215,30 @@ def sample_completions(
         completion_ids=tokens,
         completion_mask=completion_mask,
         truncated=~finished,
+        logprobs=logprobs[:, :completion_len] if logprobs is not None else None,
+    )
+
+
+def concat_completions(chunks: list[Completions], pad_token_id: int) -> Completions:
+    """Join chunks of completions, padding prompts on the left and completions on the right."""
+    if len(chunks) == 1:
+        return chunks[0]
+    prompt_len = max(c.prompt_ids.size(1) for c in chunks)
+    completion_len = max(c.completion_ids.size(1) for c in chunks)
+
+    def pad(t: Tensor, length: int, value: int, left: bool) -> Tensor:
+        extra = length - t.size(1)
+        return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra), value=value)
+
+    return Completions(
+        prompt_ids=torch.cat([pad(c.prompt_ids, prompt_len, pad_token_id, True) for c in chunks]),
+        prompt_mask=torch.cat([pad(c.prompt_mask, prompt_len, 0, True) for c in chunks]),
+        completion_ids=torch.cat([pad(c.completion_ids, completion_len, pad_token_id, False) for c in chunks]),
+        completion_mask=torch.cat([pad(c.completion_mask, completion_len, 0, False) for c in chunks]),
+        truncated=torch.cat([c.truncated for c in chunks]),
+        logprobs=(
+            torch.cat([pad(c.logprobs, completion_len, 0, False) for c in chunks])
+            if all(c.logprobs is not None for c in chunks)
+            else None
+        ),
     )
