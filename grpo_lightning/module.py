@@ -15,16 +15,16 @@ from typing import Any, Literal
 import torch
 from lightning import LightningModule
 from torch import Tensor
-from torchmetrics import MeanMetric, Metric
+from torchmetrics import Metric
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning import rewards as reward_registry
 from grpo_lightning.callbacks.checkpointing import module_checkpoint_state, restore_module_checkpoint
 from grpo_lightning.callbacks.guard import NonFiniteGuard, nonfinite_inputs, nonfinite_terms
 from grpo_lightning.config import ConfigError, ObjectiveConfig, SamplingConfig
+from grpo_lightning.evaluation import HeldOutEvaluator
 from grpo_lightning.lora import LoraConfig, apply_lora, is_peft_model
 from grpo_lightning.loss import grpo_loss
-from grpo_lightning.metrics import MajorityAtK, PassAtK, check_eval_settings, resolve_answer_fn, sample_and_score
 from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
 from grpo_lightning.rewards import RewardSpec
 from grpo_lightning.rewards.combine import is_process_reward, score_steps, step_separator
@@ -142,12 +142,7 @@ class GRPOModule(LightningModule):
         self.generator: torch.Generator | None = None
         self.ref_changes = False  # set by ReferenceSync: π_ref then has to be saved in checkpoints
         self._generator_state: Tensor | None = None
-        self.val_accuracy, self.val_reward, self.val_length = MeanMetric(), MeanMetric(), MeanMetric()
-        # k-sample evaluation: checked now, so a bad setting fails before any model loads.
-        self.eval_ks = check_eval_settings(eval_num_samples, eval_pass_k, eval_temperature)
-        self.answer_fn = resolve_answer_fn(eval_answer_fn)
-        self.val_pass_at = torch.nn.ModuleDict({str(k): PassAtK(k) for k in self.eval_ks})
-        self.val_majority, self.val_sample_reward, self.val_sample_length = MajorityAtK(), MeanMetric(), MeanMetric()
+        self.evaluator = HeldOutEvaluator(eval_num_samples, eval_temperature, eval_pass_k, eval_answer_fn)
 
     # ----------------------------------------------------------------------------------------- models
     def _load_tokenizer(self) -> PreTrainedTokenizerBase:
@@ -431,50 +426,10 @@ class GRPOModule(LightningModule):
 
     # -------------------------------------------------------------------------------------- evaluation
     def validation_step(self, batch: dict[str, list[Any]], batch_idx: int) -> None:
-        self._evaluate(batch, "val", batch_idx)
+        self.evaluator.evaluate(self, batch, "val", batch_idx)
 
     def test_step(self, batch: dict[str, list[Any]], batch_idx: int) -> None:
-        self._evaluate(batch, "test", batch_idx)
-
-    def _evaluate(self, batch: dict[str, list[Any]], stage: str, batch_idx: int = 0) -> None:
-        """Held-out prompts: greedy accuracy (pass@1), mean reward and length; with ``eval_num_samples`` = k > 0
-        also pass@k and maj@k over k sampled completions per prompt, and their mean reward and length."""
-        completions = self.generate(batch["prompt"], greedy=True)
-        texts = self.decode(completions.completion_ids, completions.completion_mask)
-        columns = {name: values for name, values in batch.items() if name != "prompt"}
-        columns["completion_lengths"] = completions.completion_mask.sum(-1).tolist()
-        total, per_function = self.score(batch["prompt"], texts, columns)
-        log = {"on_step": False, "on_epoch": True, "batch_size": len(texts)}
-        if self.accuracy_reward is not None:  # None: only process rewards, nothing decides "correct"
-            correct = [float(v is not None and v >= 1.0) for v in per_function[self.accuracy_reward]]
-            self.val_accuracy.update(torch.tensor(correct, device=self.device))
-            self.log(f"{stage}/accuracy", self.val_accuracy, prog_bar=True, **log)
-        self.val_reward.update(torch.tensor(total, device=self.device))
-        self.val_length.update(completions.completion_mask.sum(-1).float())
-        self.log(f"{stage}/reward_mean", self.val_reward, **log)
-        self.log(f"{stage}/completion_length_mean", self.val_length, **log)
-        k = self.hparams.eval_num_samples
-        if k == 0:
-            return
-        # A stream of its own per rank and batch: reproducible, and the rollout's generator is left untouched.
-        seed = self.hparams.seed + 1_000_003 * (self.global_rank + 1) + batch_idx
-        samples = sample_and_score(self, batch, k, self.hparams.eval_temperature, seed)
-        self.val_sample_reward.update(torch.tensor(samples.total_rewards, device=self.device))
-        self.val_sample_length.update(samples.lengths.float())
-        self.log(f"{stage}/sample_reward_mean", self.val_sample_reward, **log)
-        self.log(f"{stage}/sample_completion_length_mean", self.val_sample_length, **log)
-        if samples.correct is None:
-            return
-        per_prompt = range(0, len(samples.texts), k)
-        self.val_majority.update(
-            [[self.answer_fn(t) for t in samples.texts[i : i + k]] for i in per_prompt],
-            [samples.correct[i : i + k] for i in per_prompt],
-        )
-        self.log(f"{stage}/maj@{k}", self.val_majority, **log)
-        num_correct = torch.tensor(samples.correct).view(-1, k).sum(-1)
-        for name, metric in self.val_pass_at.items():
-            metric.update(num_correct, k)
-            self.log(f"{stage}/pass@{name}", metric, **log)
+        self.evaluator.evaluate(self, batch, "test", batch_idx)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Non-finite guard: a step whose loss or gradients hold a NaN/Inf leaves the weights as they are."""
