@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# One intra-op thread for the whole suite, set before torch is imported: tests fork training processes
+# (test_crash), and a child forked after torch's OpenMP pool has started can deadlock; the tiny models gain
+# nothing from threads, and subprocess tests don't oversubscribe the cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
 
