@@ -40,3 +40,22 @@ def tiny_model_dir(tmp_path, tokenizer, tiny_llama):
     tiny_llama.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def quiet_trainer(root, **overrides):
+    """A CPU Trainer with GRPO's defaults and no logger, checkpoints, progress bar, summary or validation."""
+    from lightning import Trainer
+
+    from grpo_lightning.cli import TRAINER_DEFAULTS
+
+    settings = {
+        **TRAINER_DEFAULTS,
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "limit_val_batches": 0,
+        "default_root_dir": root,
+    }
+    return Trainer(**{**settings, **overrides})

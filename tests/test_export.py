@@ -7,13 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY
-from lightning import Trainer
+from conftest import TINY, quiet_trainer
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from grpo_lightning import GRPOModule, RewardSpec, RolloutDataModule, SamplingConfig
-from grpo_lightning.cli import TRAINER_DEFAULTS
 from grpo_lightning.rewards import register
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,16 +44,9 @@ def tiny_module(**kwargs) -> GRPOModule:
 def fit_one_round(module: GRPOModule, tmp_path: Path) -> Path:
     """One round of GRPO (so the weights differ from their initialisation), saved as a checkpoint."""
     data = RolloutDataModule(prompts_per_round=4, val_limit=4, task_kwargs={"test_size": 50})
-    trainer = Trainer(
-        **TRAINER_DEFAULTS,
+    trainer = quiet_trainer(
+        tmp_path,
         max_epochs=1,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        default_root_dir=tmp_path,
     )
     torch.manual_seed(0)
     module.configure_model()

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY
-from lightning import Trainer
+from conftest import TINY, quiet_trainer
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
-from grpo_lightning.cli import TRAINER_DEFAULTS
 from grpo_lightning.config import ConfigError
 from grpo_lightning.lora import LoraConfig
 from grpo_lightning.memory import update_peak_bytes
@@ -46,16 +44,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[GRPOModule, Rollo
     module.configure_model()
     before = {k: v.clone() for k, v in module.policy.state_dict().items()}
     data = RolloutDataModule(prompts_per_round=4, val_limit=4, task_kwargs={"test_size": 50})
-    trainer = Trainer(
-        **TRAINER_DEFAULTS,
+    trainer = quiet_trainer(
+        tmp_path_factory.mktemp("lora-run"),
         max_epochs=2,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        default_root_dir=tmp_path_factory.mktemp("lora-run"),
     )
     trainer.fit(module, datamodule=data)
     return module, data, before, str(path)

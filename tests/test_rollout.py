@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY
-from lightning import Callback, Trainer
+from conftest import TINY, quiet_trainer
+from lightning import Callback
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
-from grpo_lightning.cli import TRAINER_DEFAULTS
 from grpo_lightning.config import ConfigError
 from grpo_lightning.rewards import RewardSpec, register
 
@@ -47,18 +46,11 @@ def make(tmp_path, *, mu=1, beta=0.04, prompts=4, group=4, mini=None, micro=None
         task_kwargs={"test_size": 50},
     )
     recorder = Recorder()
-    trainer = Trainer(
-        **TRAINER_DEFAULTS,
+    trainer = quiet_trainer(
+        tmp_path,
         max_epochs=epochs,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[recorder],
-        limit_val_batches=0,
         accumulate_grad_batches=accumulate,
-        default_root_dir=tmp_path,
     )
     return module, data, trainer, recorder
 

@@ -6,12 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY
-from lightning import Trainer
+from conftest import TINY, quiet_trainer
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.callbacks.kl import KLController, ReferenceSync, adaptive_beta
-from grpo_lightning.cli import GRPOCLI, TRAINER_DEFAULTS
+from grpo_lightning.cli import GRPOCLI
 from grpo_lightning.loss import process_advantages
 from grpo_lightning.models.tiny import build_char_tokenizer
 from grpo_lightning.rewards import RewardSpec, register
@@ -37,17 +36,10 @@ register("test_process")(process_reward)
 
 
 def fit(module, data, epochs=1, callbacks=(), tmp_path=None):
-    trainer = Trainer(
-        **TRAINER_DEFAULTS,
+    trainer = quiet_trainer(
+        tmp_path,
         max_epochs=epochs,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
         callbacks=list(callbacks),
-        default_root_dir=tmp_path,
     )
     trainer.fit(module, datamodule=data)
     return trainer
