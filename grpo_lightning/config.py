@@ -69,7 +69,12 @@ class ObjectiveConfig:
     loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = "grpo"
     importance_sampling_level: Literal["token", "sequence"] = "token"
     num_iterations: int = 1
-    """μ: optimisation passes over each rollout. Old log-probs are computed at rollout time only when μ > 1."""
+    """μ: optimisation passes over each rollout. Old log-probs are needed only when μ > 1."""
+    old_logprobs: Literal["auto", "sampler", "recompute"] = "auto"
+    """Where π_old's log-probs come from when μ > 1: ``sampler`` keeps those the sampling loop computed anyway
+    (no extra forward pass); ``recompute`` runs a forward pass over the rollout. ``auto``: ``sampler`` when the
+    policy computes in float32, where the two agree to ~1e-6, and ``recompute`` in lower precision, where a
+    decoding step and a full-sequence pass round differently."""
     advantage_baseline: Literal["mean", "rloo"] = "mean"
     advantage_scale: Literal["group", "batch", "none"] = "group"
     advantage_eps: float = 1e-4
@@ -88,5 +93,9 @@ class ObjectiveConfig:
             raise ConfigError(f"model.objective.delta must be > 1 (got {self.delta}); it caps the ratio from above")
         if self.num_iterations < 1:
             raise ConfigError(f"model.objective.num_iterations must be >= 1 (got {self.num_iterations})")
+        if self.old_logprobs not in ("auto", "sampler", "recompute"):
+            raise ConfigError(
+                f"model.objective.old_logprobs must be auto, sampler or recompute (got {self.old_logprobs!r})"
+            )
         if self.advantage_eps <= 0:
             raise ConfigError(f"model.objective.advantage_eps must be > 0 (got {self.advantage_eps})")

@@ -71,6 +71,7 @@ class GRPOModule(LightningModule):
         gradient_checkpointing: bool = False,
         logprob_chunk_size: int | None = DEFAULT_LOGPROB_CHUNK,
         max_nonfinite_skips: int = 3,
+        lean_forward: bool = True,
     ) -> None:
         """
         Args:
@@ -108,6 +109,9 @@ class GRPOModule(LightningModule):
                 log-probs (rollout and update); ``None`` computes the whole micro-batch's logits at once.
             max_nonfinite_skips: an optimizer step whose loss or gradients hold a NaN/Inf is skipped (weights
                 unchanged, culprit logged); this many skips in a row stop the run.
+            lean_forward: run sampling and log-prob passes on ``grpo_lightning.models.lean`` (Llama, Qwen2,
+                Qwen3 and Mistral, unsharded, without LoRA): same arithmetic as the model's forward with less
+                Python, and each group's prompt computed once. Other models always use their own forward.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -255,9 +259,23 @@ class GRPOModule(LightningModule):
         )
         return encoded["input_ids"].to(self.device), encoded["attention_mask"].to(self.device)
 
+    def old_logprobs_from_sampler(self) -> bool:
+        """Whether π_old's log-probs (μ > 1) are the sampler's own rather than a forward pass over the rollout."""
+        choice = self.objective.old_logprobs
+        if self.objective.num_iterations == 1 or choice == "recompute":
+            return False
+        if choice == "sampler":
+            return True
+        autocast = self._trainer is not None and self._trainer.precision not in ("32-true", "32", 32, "64-true")
+        dtype = next(self.policy.parameters()).dtype
+        return dtype == torch.float32 and not autocast
+
     @torch.no_grad()
-    def generate(self, prompts: list[str], *, greedy: bool = False) -> Completions:
-        """Sample G completions per prompt (one, greedily, when ``greedy``), ``generation_batch_size`` at a time."""
+    def generate(self, prompts: list[str], *, greedy: bool = False, return_logprobs: bool = False) -> Completions:
+        """Sample G completions per prompt (one, greedily, when ``greedy``), ``generation_batch_size`` at a time.
+
+        With ``return_logprobs``, ``Completions.logprobs`` holds the sampled tokens' log-probs (π_old).
+        """
         s = self.sampling
         group_size = 1 if greedy else s.group_size
         prompts_per_chunk = max(1, s.generation_batch_size // group_size)
@@ -284,6 +302,8 @@ class GRPOModule(LightningModule):
                             top_p=s.top_p,
                             greedy=greedy,
                             generator=self._sampling_generator(prompt_ids.device),
+                            return_logprobs=return_logprobs,
+                            lean=self.hparams.lean_forward,
                         )
                     )
         finally:
@@ -329,7 +349,8 @@ class GRPOModule(LightningModule):
 
     @torch.no_grad()
     def rollout_logprobs(self, completions: Completions | RolloutBatch) -> tuple[Tensor | None, Tensor | None]:
-        """Old-policy log-probs (only when μ > 1) and reference log-probs (only when β > 0)."""
+        """Old-policy log-probs (only when μ > 1; kept when the batch has the sampler's) and reference log-probs
+        (only when β > 0)."""
         args = (
             completions.prompt_ids,
             completions.prompt_mask,
@@ -340,9 +361,10 @@ class GRPOModule(LightningModule):
             "temperature": self.sampling.temperature,
             "micro_batch_size": self.hparams.logprob_batch_size,
             "chunk_size": self.hparams.logprob_chunk_size,
+            "lean": self.hparams.lean_forward,
         }
-        old = ref = None
-        if self.objective.num_iterations > 1:
+        old, ref = getattr(completions, "old_logprobs", None), None
+        if self.objective.num_iterations > 1 and old is None:
             was_training = self.policy.training
             self.policy.eval()
             old = completion_logprobs(self.policy, *args, **kwargs)[0]
@@ -365,6 +387,7 @@ class GRPOModule(LightningModule):
             temperature=self.sampling.temperature,
             with_entropy=with_entropy,
             chunk_size=self.hparams.logprob_chunk_size,
+            lean=self.hparams.lean_forward,
         )
         loss, metrics = grpo_loss(
             logprobs,
@@ -416,10 +439,17 @@ class GRPOModule(LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW over the parameters that train (the adapters only, with LoRA), with linear warm-up.
 
-        Under FSDP2 these are the rank's shards (DTensors), so the optimizer state is sharded too.
+        Under FSDP2 these are the rank's shards (DTensors), so the optimizer state is sharded too. Plain CPU and
+        CUDA tensors get the fused implementation (one kernel for all parameters, as TRL's default ``optim``).
         """
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        deepspeed = hasattr(self.trainer.strategy, "zero_stage_3") if self._trainer is not None else False
+        fused = not deepspeed and all(
+            type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda") for p in params
+        )
+        optimizer = torch.optim.AdamW(
+            params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, fused=fused or None
+        )
         warmup = self.hparams.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -56,11 +56,11 @@ class Marker(Callback):
     def on_fit_start(self, trainer, module):
         generate = module.generate
 
-        def marked_generate(prompts, *, greedy=False):
+        def marked_generate(prompts, **kwargs):
             self._mark(f"generate {trainer.current_epoch + 1}")
             if self._slow(trainer):
                 time.sleep(1.0)  # wide windows: the signal lands where intended even on a loaded machine
-            return generate(prompts, greedy=greedy)
+            return generate(prompts, **kwargs)
 
         module.generate = marked_generate
 

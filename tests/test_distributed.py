@@ -48,7 +48,8 @@ def checksum_reward(prompts: list[str], completions: list[str], **_: Any) -> lis
 class FixedRolloutModule(GRPOModule):
     """``generate`` returns completions drawn from a generator seeded by the prompt's text, whatever the rank."""
 
-    def generate(self, prompts: list[str], *, greedy: bool = False) -> Completions:
+    def generate(self, prompts: list[str], *, greedy: bool = False, return_logprobs: bool = False) -> Completions:
+        # No sampler log-probs (Completions.logprobs stays None): π_old is then recomputed when μ > 1.
         group, length = (1 if greedy else self.sampling.group_size), self.sampling.max_new_tokens
         prompt_ids, prompt_mask = self.encode_prompts(prompts)
         ids, masks = [], []

@@ -109,3 +109,27 @@ def test_batch_sizes_that_do_not_divide_are_refused(tmp_path):
     module, data, trainer, _ = make(tmp_path, mini=8, micro=4, accumulate=1)
     with pytest.raises(ConfigError, match="accumulate_grad_batches"):
         trainer.fit(module, datamodule=data)
+
+
+@pytest.mark.parametrize("choice", ["auto", "sampler", "recompute"])
+def test_old_logprobs_from_the_sampler_equal_a_recomputed_pass(choice):
+    """μ > 1: π_old's log-probs are the sampler's own (no extra forward) unless recompute is asked for; either
+    way they are the rollout policy's log-probs of the sampled tokens."""
+    from dataclasses import replace
+
+    from grpo_lightning.rollout.round import collect_rollout
+
+    module = GRPOModule(
+        tiny_model=TINY,
+        rewards=[RewardSpec("test_length")],
+        sampling=SamplingConfig(group_size=4, max_new_tokens=6, temperature=0.7),
+        objective=ObjectiveConfig(num_iterations=2, old_logprobs=choice),
+    )
+    module.configure_model()
+    assert module.old_logprobs_from_sampler() is (choice != "recompute")
+    batch = collect_rollout(module, lambda: {"prompt": ["1+2=", "33+4="]})
+    recomputed, _ = module.rollout_logprobs(replace(batch, old_logprobs=None))
+    torch.testing.assert_close(batch.old_logprobs, recomputed, atol=1e-5, rtol=1e-5)
+    module.objective = ObjectiveConfig(num_iterations=1, old_logprobs=choice)
+    assert not module.old_logprobs_from_sampler()
+    assert collect_rollout(module, lambda: {"prompt": ["5+5="]}).old_logprobs is None

@@ -1,8 +1,9 @@
 """Sampling completions from a causal LM, and the log-probabilities of sampled tokens.
 
-A lean loop instead of ``generate()``: each prompt is prefilled once and its KV cache shared by the G samples of
-its group; each decoding step computes logits for the last position only; the loop stops as soon as every
-sequence has ended. Prompts are left-padded, so position ids are derived from the attention mask.
+A lean loop instead of ``generate()``: each prompt is prefilled once and its keys and values shared by the G
+samples of its group; each decoding step computes logits for the last position only; the loop stops as soon as
+every sequence has ended. Prompts are left-padded, so position ids are derived from the attention mask. The steps
+run on ``grpo_lightning.models.lean`` when the model supports it, else on the model's own forward.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
+
+from grpo_lightning.models.lean import LeanDecoder, lean_unsupported
 
 # Log-probs live in logprobs.py (chunked, bounded memory); imported here for the callers that expect them here.
 from grpo_lightning.rollout.logprobs import (  # noqa: F401
@@ -128,6 +131,42 @@ def _cache_kwarg(model: PreTrainedModel) -> str:
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
+class _ModelDecoder:
+    """Sampling steps on the model's own forward (any architecture): a ``DynamicCache`` prefilled once per prompt,
+    then repeated for the G samples of its group into preallocated buffers."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model, self.cache_kwarg = model, _cache_kwarg(model)
+
+    def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, group_size: int, max_new_tokens: int) -> Tensor:
+        positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
+        self.cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_kwarg: self.cache},
+        )
+        _repeat_cache(self.cache, group_size, capacity=prompt_ids.size(1) + max_new_tokens)
+        self.attention = prompt_mask.repeat_interleave(group_size, dim=0)
+        self.positions = positions[:, -1:].repeat_interleave(group_size, dim=0)
+        return out.logits[:, -1]
+
+    def decode(self, tokens: Tensor) -> Tensor:
+        self.attention = torch.cat([self.attention, torch.ones_like(self.attention[:, :1])], dim=1)
+        self.positions = self.positions + 1
+        out = self.model(
+            input_ids=tokens[:, None],
+            attention_mask=self.attention,
+            position_ids=self.positions,
+            use_cache=True,
+            **{self.cache_kwarg: self.cache},
+        )
+        return out.logits[:, -1]
+
+
 @torch.no_grad()
 def sample_completions(
     model: PreTrainedModel,
@@ -145,30 +184,19 @@ def sample_completions(
     greedy: bool = False,
     generator: torch.Generator | None = None,
     return_logprobs: bool = False,
+    lean: bool = True,
 ) -> Completions:
     """Sample ``group_size`` completions for each left-padded prompt in ``prompt_ids`` ``[B, P]``.
 
     With ``return_logprobs``, ``Completions.logprobs`` holds each drawn token's log-probability under the tempered
-    distribution of the sampling policy, which is what GRPO's old-policy log-probs are when μ > 1.
+    distribution of the sampling policy, which is what GRPO's old-policy log-probs are when μ > 1. With ``lean``
+    (and a model it supports, see ``grpo_lightning.models.lean``), the steps run on the lean forward.
     """
-    cache_kwarg = _cache_kwarg(model)
-    num_prompts, device = prompt_ids.size(0), prompt_ids.device
-    positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.config)
-    out = model(
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask,
-        position_ids=positions,
-        use_cache=True,
-        logits_to_keep=1,
-        **{cache_kwarg: cache},
-    )
-    # The prompt is prefilled once; its cache is then repeated for the G samples of its group.
-    _repeat_cache(cache, group_size, capacity=prompt_ids.size(1) + max_new_tokens)
-    logits = out.logits[:, -1].repeat_interleave(group_size, dim=0)
-    attention = prompt_mask.repeat_interleave(group_size, dim=0)
-    next_position = positions[:, -1:].repeat_interleave(group_size, dim=0) + 1
-    n = num_prompts * group_size
+    decoder = LeanDecoder(model) if lean and lean_unsupported(model) is None else _ModelDecoder(model)
+    device = prompt_ids.device
+    # The prompt is prefilled once; its keys and values are then repeated for the G samples of its group.
+    logits = decoder.prefill(prompt_ids, prompt_mask, group_size, max_new_tokens).repeat_interleave(group_size, dim=0)
+    n = prompt_ids.size(0) * group_size
 
     tokens = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     finished = torch.zeros(n, dtype=torch.bool, device=device)
@@ -195,16 +223,7 @@ def sample_completions(
                 break
         if step + 1 == max_new_tokens:
             break
-        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
-        out = model(
-            input_ids=token[:, None],
-            attention_mask=attention,
-            position_ids=next_position,
-            use_cache=True,
-            **{cache_kwarg: cache},
-        )
-        logits = out.logits[:, -1]
-        next_position = next_position + 1
+        logits = decoder.decode(token)
 
     completion_len = int(lengths.max()) if bool(finished.all()) else max_new_tokens
     tokens = tokens[:, :completion_len]

@@ -18,6 +18,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from grpo_lightning.models.lean import lean_unsupported, shared_prompt_hidden
+
 # Completion tokens whose full-vocabulary logits exist at once: 1024 × a 152k vocabulary in float32 is 0.6 GB,
 # whatever the batch size and completion length.
 DEFAULT_LOGPROB_CHUNK = 1024
@@ -227,6 +229,24 @@ def _logprobs_as_logits(
             handle.remove()
 
 
+def _lean_logprobs(
+    model: nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    labels: Tensor,
+    mask: Tensor,
+    temperature: float,
+    with_entropy: bool,
+    chunk_size: int,
+) -> Tensor:
+    """``[N, T, 1 or 2]`` from the lean forward: each distinct prompt runs once for its whole group."""
+    hidden = shared_prompt_hidden(model, prompt_ids, prompt_mask, labels)
+    stats = _layer_logprobs(model.lm_head, hidden[mask], labels[mask], temperature, with_entropy, chunk_size)
+    out = stats.new_zeros(*labels.shape, stats.size(-1))
+    out[mask] = stats
+    return out
+
+
 def completion_logprobs(
     model: nn.Module,
     prompt_ids: Tensor,
@@ -238,20 +258,31 @@ def completion_logprobs(
     micro_batch_size: int | None = None,
     with_entropy: bool = False,
     chunk_size: int | None = DEFAULT_LOGPROB_CHUNK,
+    lean: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs ``[N, T]`` of the completion tokens (and entropies), in micro-batches of rows.
 
     Log-probs are those of the sampling distribution (logits divided by ``temperature``). With ``chunk_size``, the
     output layer projects ``chunk_size`` completion tokens at a time, so peak memory does not grow with rows ×
     length × vocabulary, and padding positions (``completion_mask == 0``) get 0. ``chunk_size=None`` keeps the
-    plain path: the micro-batch's full logits from the model, then log-probs.
+    plain path: the micro-batch's full logits from the model, then log-probs. With ``lean`` and a model that
+    ``grpo_lightning.models.lean`` supports, rows sharing a prompt run it once (see ``shared_prompt_hidden``).
     """
     num_rows, completion_len = completion_ids.shape
     step = micro_batch_size or num_rows
     layer = output_layer(model) if chunk_size else None
+    use_lean = lean and layer is not None and lean_unsupported(model) is None
     logprobs, entropies = [], []
     for start in range(0, num_rows, step):
         rows = slice(start, start + step)
+        if use_lean:
+            labels, mask = completion_ids[rows], completion_mask[rows].bool()
+            stats = _lean_logprobs(
+                model, prompt_ids[rows], prompt_mask[rows], labels, mask, temperature, with_entropy, chunk_size
+            )
+            logprobs.append(stats[..., 0])
+            entropies.append(stats[..., 1] if with_entropy else None)
+            continue
         input_ids = torch.cat([prompt_ids[rows], completion_ids[rows]], dim=1)
         attention = torch.cat([prompt_mask[rows], completion_mask[rows]], dim=1)
         positions = (attention.long().cumsum(-1) - 1).clamp(min=0)

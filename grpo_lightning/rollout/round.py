@@ -66,7 +66,8 @@ def sample_and_score(module: GRPOModule, rows: dict[str, list[Any]], timings: di
     """Generate G completions per prompt and score them with every reward function."""
     group_size = module.sampling.group_size
     start = time.perf_counter()
-    completions = module.generate(rows["prompt"])
+    sampler_logprobs = module.old_logprobs_from_sampler()
+    completions = module.generate(rows["prompt"], return_logprobs=sampler_logprobs)
     texts = module.decode(completions.completion_ids, completions.completion_mask)
     timings["generate"] += time.perf_counter() - start
 
@@ -88,6 +89,7 @@ def sample_and_score(module: GRPOModule, rows: dict[str, list[Any]], timings: di
         prompts=prompts,
         completions=texts,
         reward_columns=per_function,
+        old_logprobs=completions.logprobs,  # π_old from the sampler itself (μ > 1), or None: computed later
     )
     if steps is not None:  # process rewards: one value per step, kept apart from the outcome total
         batch.step_rewards, batch.step_ends = steps

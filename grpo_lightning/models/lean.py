@@ -1,0 +1,312 @@
+"""A lean forward pass for Llama-family decoders (Llama, Qwen2, Qwen3, Mistral), reading the model's own weights.
+
+Why: for the small matrices of a decoding step (and of small models generally) the generic ``transformers``
+forward spends about as long in Python as in arithmetic: mask construction, cache objects, output capturing and
+one module call per projection. This file does the same arithmetic with plain tensor ops, so that
+
+- sampling prefills each prompt once and decodes into preallocated key/value buffers (``LeanDecoder``);
+- log-prob passes run each distinct prompt once and let the G completions of its group attend to its keys and
+  values (``shared_prompt_hidden``): a group's prompt is computed once instead of G times, forward and backward.
+
+Only plain, unsharded models of the architectures above take this path (``lean_unsupported`` says why not):
+LoRA-wrapped layers, FSDP2 or DeepSpeed shards, sliding-window attention, attention dropout in training,
+gradient checkpointing and any other architecture use the model's own forward. ``tests/test_lean.py`` checks
+logits and log-probs against the ``transformers`` forward for every architecture listed, with padded prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+
+# (layer index, new keys, new values) -> all keys and values the new positions attend to
+KeyValueFn = Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]]
+# (input, nn.Linear) -> output: how a projection is computed
+LinearFn = Callable[[Tensor, nn.Linear], Tensor]
+
+# Decoding steps on CPU pre-pack weights of at least this many elements (see ``cpu_packed_linear``).
+PACK_MIN_ELEMENTS = 1 << 18
+
+
+def lean_unsupported(model: nn.Module) -> str | None:
+    """None when ``model`` can run on the lean forward, else the reason it cannot (it then uses its own)."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        return f"architecture {model_type!r} (lean forward: {', '.join(ARCHITECTURES)})"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        return "not a plain *ForCausalLM (wrapped, e.g. by PEFT)"
+    if type(getattr(model, "lm_head", None)) is not nn.Linear:
+        return "output layer is not a plain Linear"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1"
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
+        return "sliding-window attention"
+    if layer_types is None and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    if model.training and getattr(config, "attention_dropout", 0.0):
+        return "attention dropout"
+    checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5 name
+    if checkpointing is None:
+        checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    if checkpointing and torch.is_grad_enabled():
+        return "gradient checkpointing"
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        if any(type(linear) is not nn.Linear for linear in linears):
+            return "projections are not plain Linear layers (LoRA, quantization)"
+    for param in model.parameters():
+        # FSDP2 shards are DTensors and DeepSpeed ZeRO-3 partitions carry ds_id: their full weights exist only
+        # inside the wrappers' own forward hooks.
+        if hasattr(param, "ds_id") or _is_dtensor(param):
+            return "sharded parameters (FSDP2, DeepSpeed)"
+    return None
+
+
+def _is_dtensor(param: Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch build without distributed support has no shards
+        return False
+    return isinstance(param, DTensor)
+
+
+def _rms_norm(x: Tensor, norm: nn.Module) -> Tensor:
+    """``LlamaRMSNorm``: normalised in float32, scaled in the input's dtype."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.size(-1),), norm.weight, norm.variance_epsilon)
+    return norm.weight * F.rms_norm(x.float(), (x.size(-1),), None, norm.variance_epsilon).to(x.dtype)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding of ``x`` ``[rows, heads, S, D]`` (``cos``/``sin`` ``[rows, 1, S, D]``)."""
+    half = x.size(-1) // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _linear(x: Tensor, layer: nn.Linear) -> Tensor:
+    return F.linear(x, layer.weight, layer.bias)
+
+
+def _attention(
+    layer: nn.Module,
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    mask: Tensor | None,
+    keys_values: KeyValueFn,
+    linear: LinearFn,
+) -> Tensor:
+    attn = layer.self_attn
+    rows, length, _ = x.shape
+    q = linear(x, attn.q_proj).view(rows, length, -1, attn.head_dim)
+    k = linear(x, attn.k_proj).view(rows, length, -1, attn.head_dim)
+    v = linear(x, attn.v_proj).view(rows, length, -1, attn.head_dim).transpose(1, 2)
+    if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm of each head before the rotation
+        q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
+    q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
+    keys, values = keys_values(attn.layer_idx, k, v)
+    out = F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=keys.size(1) != q.size(1)
+    )
+    return linear(out.transpose(1, 2).reshape(rows, length, -1), attn.o_proj)
+
+
+def _mlp(mlp: nn.Module, h: Tensor, linear: LinearFn) -> Tensor:
+    return linear(mlp.act_fn(linear(h, mlp.gate_proj)) * linear(h, mlp.up_proj), mlp.down_proj)
+
+
+def _mlp(mlp: nn.Module, h: Tensor, linear: LinearFn) -> Tensor:
+    return linear(mlp.act_fn(linear(h, mlp.gate_proj)) * linear(h, mlp.up_proj), mlp.down_proj)
+
+
+def _one_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    """Attention of one query per row ``q`` ``[rows, heads, 1, D]``; key/value heads shared by groups of heads."""
+    rows, heads, _, dim = q.shape
+    groups = heads // keys.size(1)
+    q = q.reshape(rows, keys.size(1), groups, dim)  # the query heads that read each key/value head
+    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)  # [rows, kv_heads, groups, K]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), values).view(rows, heads, 1, dim)
+
+
+def decoder_hidden(
+    model: nn.Module,
+    input_ids: Tensor,
+    positions: Tensor,
+    mask: Tensor | None,
+    keys_values: KeyValueFn,
+    linear: LinearFn = _linear,
+) -> Tensor:
+    """Hidden states ``[rows, S, H]`` after the last decoder layer, before the final norm.
+
+    ``mask`` ``[rows or 1, 1, S, K]`` (True = attend) covers the K keys that ``keys_values`` returns for each
+    layer; None lets every position attend to every key. ``linear`` computes the projections.
+    """
+    inner = model.model
+    x = inner.embed_tokens(input_ids)
+    cos, sin = inner.rotary_emb(x, positions)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    for layer in inner.layers:
+        x = x + _attention(layer, _rms_norm(x, layer.input_layernorm), cos, sin, mask, keys_values, linear)
+        x = x + _mlp(layer.mlp, _rms_norm(x, layer.post_attention_layernorm), linear)
+    return x
+
+
+def final_norm(model: nn.Module, hidden: Tensor) -> Tensor:
+    """The model's last RMSNorm, which the output layer reads."""
+    return _rms_norm(hidden, model.model.norm)
+
+
+def _prompt_mask_4d(prompt_mask: Tensor) -> Tensor:
+    """``[rows, 1, P, P]``: causal attention over real prompt tokens; a padding position attends to itself only
+    (a query with no key would give NaN, which its zero-weight value would still spread through the matmul)."""
+    length = prompt_mask.size(1)
+    causal = torch.ones(length, length, dtype=torch.bool, device=prompt_mask.device).tril()
+    diagonal = torch.eye(length, dtype=torch.bool, device=prompt_mask.device)
+    return ((causal & prompt_mask.bool()[:, None, :]) | diagonal)[:, None]
+
+
+def prompt_positions(prompt_mask: Tensor) -> Tensor:
+    """Position ids of left-padded prompts (padding gets 0, as in ``transformers``' generation)."""
+    return (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def run_prompts(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """Prefill: hidden states ``[rows, P, H]`` of the prompts and each layer's keys and values."""
+    keys: list[Tensor] = []
+    values: list[Tensor] = []
+
+    def collect(layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        keys.append(k)
+        values.append(v)
+        return k, v
+
+    mask = None if bool(prompt_mask.all()) else _prompt_mask_4d(prompt_mask)
+    if mask is None and prompt_ids.size(1) > 1:
+        mask = torch.ones(prompt_ids.size(1), prompt_ids.size(1), dtype=torch.bool, device=prompt_ids.device).tril()
+    hidden = decoder_hidden(model, prompt_ids, prompt_positions(prompt_mask), mask, collect)
+    return hidden, keys, values
+
+
+def shared_prompt_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor) -> Tensor:
+    """``[N, T, H]``: final-normed hidden states that predict each completion token, each distinct prompt run once.
+
+    Rows with the same prompt (the G completions of a group) share one prompt pass: its keys and values are
+    indexed out to every row of the group, whose completion tokens attend to them and, causally, to each other.
+    Under autograd the gradient of every row flows back into the one shared prompt pass.
+    """
+    rows, length = completion_ids.shape
+    prompts, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask.long()], dim=1), dim=0, return_inverse=True)
+    prompts, masks = prompts[:, : prompt_ids.size(1)], prompts[:, prompt_ids.size(1) :]
+    prompt_hidden, keys, values = run_prompts(model, prompts, masks)
+    last = prompt_hidden[inverse, -1:]  # left padding: the last position is every prompt's last token
+    if length == 1:
+        return final_norm(model, last)
+    # The last completion token predicts nothing: the completion pass runs the first T - 1 tokens.
+    inputs = completion_ids[:, :-1]
+    steps = torch.arange(length - 1, device=inputs.device)
+    positions = prompt_mask.long().sum(-1, keepdim=True) + steps  # continue after the real prompt tokens
+    causal = torch.ones(length - 1, length - 1, dtype=torch.bool, device=inputs.device).tril()
+    prompt_part = prompt_mask.bool()[:, None, :].expand(rows, length - 1, -1)
+    mask = torch.cat([prompt_part, causal.expand(rows, -1, -1)], dim=-1)[:, None]
+
+    def attend_to_prompt(layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return torch.cat([keys[layer][inverse], k], dim=2), torch.cat([values[layer][inverse], v], dim=2)
+
+    hidden = decoder_hidden(model, inputs, positions, mask, attend_to_prompt)
+    return final_norm(model, torch.cat([last, hidden], dim=1))
+
+
+def cpu_packed_linear(model: nn.Module, rows: int, min_elements: int = PACK_MIN_ELEMENTS) -> LinearFn | None:
+    """Projections on weights pre-packed once in oneDNN's blocked layout, for the decoding steps of a rollout.
+
+    Why: a decoding step multiplies ``rows`` vectors by every weight matrix, so on CPU it is bound by reading the
+    weights from memory; the blocked layout streams them about 20% faster (measured on settings B of
+    ``tools/bench_trl.py``). Small weights stay in cache anyway and gain nothing. None when not applicable
+    (weights off the CPU or not float32, a torch build without oneDNN): the caller keeps plain ``F.linear``.
+    The packing ops are torch's own (as used by ``torch.compile``'s CPU backend) but not public API, so any
+    failure to pack also returns None; ``tests/test_lean.py`` checks the results against ``F.linear``.
+    """
+    layers = [
+        module
+        for module in model.model.layers.modules()
+        if type(module) is nn.Linear
+        and module.weight.device.type == "cpu"
+        and module.weight.dtype == torch.float32
+        and module.weight.numel() >= min_elements
+    ]
+    if not layers or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        packed = {layer: torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), rows) for layer in layers}
+        linear_pointwise = torch.ops.mkldnn._linear_pointwise
+    except (AttributeError, RuntimeError):
+        return None
+
+    def linear(x: Tensor, layer: nn.Linear) -> Tensor:
+        weight = packed.get(layer)
+        if weight is None:
+            return _linear(x, layer)
+        return linear_pointwise(x, weight, layer.bias, "none", [], "")
+
+    return linear
+
+
+class LeanDecoder:
+    """Sampling steps on the lean forward: a shared prefill, then one token per row into preallocated buffers.
+
+    ``prefill`` runs each prompt once and copies its keys and values into buffers sized for the whole completion,
+    once per sample of its group; ``decode`` writes one position per step and attends to the filled part. On CPU,
+    large weights are pre-packed for the decoding steps (``cpu_packed_linear``).
+    """
+
+    def __init__(self, model: nn.Module, pack_min_elements: int = PACK_MIN_ELEMENTS) -> None:
+        self.model, self.pack_min_elements = model, pack_min_elements
+
+    @torch.no_grad()
+    def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, group_size: int, max_new_tokens: int) -> Tensor:
+        """Last-position logits ``[B, V]`` of the prompts; sets up G rows per prompt for ``decode``."""
+        hidden, keys, values = run_prompts(self.model, prompt_ids, prompt_mask)
+        rows, length = prompt_ids.size(0), prompt_ids.size(1)
+        capacity = length + max_new_tokens
+        self.keys, self.values = [], []
+        for prefix_k, prefix_v in zip(keys, values):
+            for prefix, buffers in ((prefix_k, self.keys), (prefix_v, self.values)):
+                buffer = prefix.new_empty(rows * group_size, prefix.size(1), capacity, prefix.size(-1))
+                buffer.view(rows, group_size, *buffer.shape[1:])[..., :length, :] = prefix[:, None]
+                buffers.append(buffer)
+        self.filled = length
+        self.linear = cpu_packed_linear(self.model, rows * group_size, self.pack_min_elements) or _linear
+        self.positions = prompt_positions(prompt_mask)[:, -1:].repeat_interleave(group_size, dim=0)
+        # Padded prompts: a key mask over the buffer (prompt padding masked, generated positions open).
+        self.key_mask = None
+        if not bool(prompt_mask.all()):
+            self.key_mask = torch.ones(rows * group_size, capacity, dtype=torch.bool, device=prompt_ids.device)
+            self.key_mask[:, :length] = prompt_mask.bool().repeat_interleave(group_size, dim=0)
+        return self.model.lm_head(final_norm(self.model, hidden[:, -1]))
+
+    @torch.no_grad()
+    def decode(self, tokens: Tensor) -> Tensor:
+        """Logits ``[N, V]`` after appending ``tokens`` ``[N]`` (one per row) to every sequence."""
+        self.positions = self.positions + 1
+        column, end = self.filled, self.filled + 1
+
+        def write(layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+            self.keys[layer][:, :, column : column + 1] = k
+            self.values[layer][:, :, column : column + 1] = v
+            return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+        mask = None if self.key_mask is None else self.key_mask[:, None, None, :end]
+        hidden = decoder_hidden(self.model, tokens[:, None], self.positions, mask, write, self.linear)
+        self.filled = end
+        return self.model.lm_head(final_norm(self.model, hidden[:, -1]))

@@ -1,0 +1,220 @@
+"""The lean forward (``grpo_lightning.models.lean``) against the ``transformers`` forward it replaces.
+
+Every supported architecture, with left-padded prompts and grouped-query attention: logits, log-probs, their
+gradients, sampled tokens and the sampler's own log-probs (π_old when μ > 1) must agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from grpo_lightning.models.lean import LeanDecoder, cpu_packed_linear, lean_unsupported, shared_prompt_hidden
+from grpo_lightning.rollout.generation import sample_completions
+from grpo_lightning.rollout.logprobs import completion_logprobs
+
+SIZE = dict(
+    vocab_size=40,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # grouped-query attention
+    max_position_embeddings=64,
+)
+ARCHITECTURES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**SIZE)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**SIZE)),  # q/k/v biases
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**SIZE, head_dim=12)),  # q/k norms, head_dim ≠ hidden/heads
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**SIZE, sliding_window=None)),
+}
+
+
+def build(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = ARCHITECTURES[name]().eval()
+    with torch.no_grad():  # random biases and norm weights, so that a forgotten term shows
+        for param_name, param in model.named_parameters():
+            if param_name.endswith(("bias", "norm.weight", "layernorm.weight")):
+                param.add_(torch.randn_like(param) * 0.3)
+    return model
+
+
+def rollout(group_size: int = 2, prompt_len: int = 5, completion_len: int = 6):
+    """Three left-padded prompts (0, 2 and 4 padding positions), each repeated for its group."""
+    torch.manual_seed(1)
+    prompt_ids = torch.randint(1, SIZE["vocab_size"], (3, prompt_len))
+    prompt_mask = torch.ones(3, prompt_len, dtype=torch.long)
+    prompt_mask[1, :2] = 0
+    prompt_mask[2, :4] = 0
+    completion_ids = torch.randint(1, SIZE["vocab_size"], (3 * group_size, completion_len))
+    completion_mask = torch.ones_like(completion_ids)
+    completion_mask[1, 3:] = 0  # a completion that ended early
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+def reference_logits(model, prompt_ids, prompt_mask, completion_ids, group_size=2):
+    """``transformers``' logits at the positions that predict each completion token."""
+    ids = torch.cat([prompt_ids.repeat_interleave(group_size, 0), completion_ids], 1)
+    attention = torch.cat([prompt_mask.repeat_interleave(group_size, 0), torch.ones_like(completion_ids)], 1)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=attention, position_ids=positions).logits
+    return logits[:, prompt_ids.size(1) - 1 : -1]
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_shared_prompt_pass_gives_the_model_logits(name):
+    model = build(name)
+    assert lean_unsupported(model) is None
+    prompt_ids, prompt_mask, completion_ids, _ = rollout()
+    with torch.no_grad():
+        expected = reference_logits(model, prompt_ids, prompt_mask, completion_ids)
+        hidden = shared_prompt_hidden(
+            model, prompt_ids.repeat_interleave(2, 0), prompt_mask.repeat_interleave(2, 0), completion_ids
+        )
+        torch.testing.assert_close(model.lm_head(hidden), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_decoding_steps_give_the_model_logits(name, pack):
+    """Prefill + decoding steps; ``packed``: every weight pre-packed for oneDNN (large weights only, by default)."""
+    model = build(name)
+    prompt_ids, prompt_mask, completion_ids, _ = rollout()
+    if pack and cpu_packed_linear(model, rows=6, min_elements=1) is None:
+        pytest.skip("this torch build cannot pre-pack CPU weights")
+    with torch.no_grad():
+        expected = reference_logits(model, prompt_ids, prompt_mask, completion_ids)
+        decoder = LeanDecoder(model, pack_min_elements=1 if pack else 1 << 60)
+        logits = [decoder.prefill(prompt_ids, prompt_mask, 2, completion_ids.size(1)).repeat_interleave(2, 0)]
+        for step in range(completion_ids.size(1) - 1):
+            logits.append(decoder.decode(completion_ids[:, step]))
+        torch.testing.assert_close(torch.stack(logits, 1), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_logprobs_entropies_and_gradients_match_the_model_forward(name):
+    """The training path: shared prompt pass under autograd, gradients of every parameter as the plain forward."""
+    prompt_ids, prompt_mask, completion_ids, completion_mask = rollout()
+    # Rows out of group order: sharing must find equal prompts wherever they are.
+    order = torch.tensor([3, 0, 5, 1, 4, 2])
+    args = (
+        prompt_ids.repeat_interleave(2, 0)[order],
+        prompt_mask.repeat_interleave(2, 0)[order],
+        completion_ids[order],
+        completion_mask[order],
+    )
+    results = {}
+    for lean in (True, False):
+        model = build(name).train()
+        logprobs, entropy = completion_logprobs(model, *args, temperature=0.7, with_entropy=True, lean=lean)
+        ((logprobs * torch.linspace(-1, 1, logprobs.size(1))).sum() + entropy.sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[lean] = (logprobs.detach(), entropy.detach(), grads)
+    (lp_lean, ent_lean, g_lean), (lp_ref, ent_ref, g_ref) = results[True], results[False]
+    torch.testing.assert_close(lp_lean, lp_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent_lean, ent_ref, atol=1e-5, rtol=1e-5)
+    assert (lp_lean[args[3] == 0] == 0).all()  # padding positions stay 0
+    assert g_lean.keys() == g_ref.keys() and len(g_ref) == len(list(build(name).parameters()))
+    for param_name in g_ref:
+        torch.testing.assert_close(g_lean[param_name], g_ref[param_name], atol=1e-5, rtol=1e-4, msg=param_name)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_sampling_draws_the_same_tokens_on_both_paths(greedy):
+    model = build("qwen2")
+    prompt_ids, prompt_mask, _, _ = rollout()
+    runs = []
+    for lean in (True, False):
+        runs.append(
+            sample_completions(
+                model,
+                prompt_ids,
+                prompt_mask,
+                group_size=3,
+                max_new_tokens=8,
+                eos_token_id=0,
+                pad_token_id=0,
+                greedy=greedy,
+                generator=torch.Generator().manual_seed(7),
+                return_logprobs=True,
+                lean=lean,
+            )
+        )
+    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+    assert torch.equal(runs[0].completion_mask, runs[1].completion_mask)
+    torch.testing.assert_close(runs[0].logprobs, runs[1].logprobs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_sampler_logprobs_are_the_recomputed_old_policy_logprobs(lean):
+    """With μ > 1 the sampler's log-probs stand in for an old-policy pass: they must be that pass's values."""
+    model = build("llama")
+    prompt_ids, prompt_mask, _, _ = rollout()
+
+    def sample(eos_token_id: int):
+        return sample_completions(
+            model,
+            prompt_ids,
+            prompt_mask,
+            group_size=4,
+            max_new_tokens=10,
+            min_new_tokens=3,  # the EOS ban applies to sampling only, not to the log-probs
+            eos_token_id=eos_token_id,
+            pad_token_id=0,
+            temperature=0.8,
+            top_p=0.9,
+            generator=torch.Generator().manual_seed(3),
+            return_logprobs=True,
+            lean=lean,
+        )
+
+    # The end token: the one this model draws most often, so that completions end at different lengths.
+    eos_token_id = int(sample(eos_token_id=0).completion_ids[:, 3:].flatten().bincount().argmax())
+    out = sample(eos_token_id)
+    with torch.no_grad():
+        recomputed, _ = completion_logprobs(
+            model, out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask, temperature=0.8
+        )
+    assert (out.completion_mask.sum(-1) < 10).any()  # some completions ended early (EOS): padding is covered
+    torch.testing.assert_close(out.logprobs, recomputed, atol=1e-5, rtol=1e-5)
+
+
+def test_models_the_lean_forward_does_not_cover_use_their_own():
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=2, n_positions=64))
+    assert "architecture 'gpt2'" in lean_unsupported(gpt2)
+    windowed = MistralForCausalLM(MistralConfig(**SIZE, sliding_window=4))
+    assert lean_unsupported(windowed) == "sliding-window attention"
+    checkpointed = build("llama")
+    enable = getattr(checkpointed, "activation_checkpointing_enable", None)
+    enable() if enable is not None else checkpointed.gradient_checkpointing_enable()
+    with torch.no_grad():
+        assert lean_unsupported(checkpointed) is None  # no backward pass: nothing to recompute
+    assert lean_unsupported(checkpointed) == "gradient checkpointing"
+
+    # Unsupported models still get log-probs, from their own forward.
+    prompt_ids, prompt_mask, completion_ids, completion_mask = rollout()
+    rows = (prompt_ids.repeat_interleave(2, 0), prompt_mask.repeat_interleave(2, 0), completion_ids, completion_mask)
+    logprobs, _ = completion_logprobs(gpt2.eval(), *rows)
+    assert logprobs.shape == completion_ids.shape and torch.isfinite(logprobs).all()
+
+
+def test_lora_wrapped_models_use_their_own_forward():
+    pytest.importorskip("peft")
+    from grpo_lightning.lora import LoraConfig, apply_lora
+
+    model = apply_lora(build("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert lean_unsupported(model) is not None
+    assert lean_unsupported(model.get_base_model()) is not None  # its q/v projections are LoRA layers
