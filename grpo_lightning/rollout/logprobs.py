@@ -262,6 +262,9 @@ def completion_logprobs(
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs ``[N, T]`` of the completion tokens (and entropies), in micro-batches of rows.
 
+    Prompts are left-padded (as ``GRPOModule.encode_prompts`` makes them): the last prompt position predicts the
+    first completion token.
+
     Log-probs are those of the sampling distribution (logits divided by ``temperature``). With ``chunk_size``, the
     output layer projects ``chunk_size`` completion tokens at a time, so peak memory does not grow with rows ×
     length × vocabulary, and padding positions (``completion_mask == 0``) get 0. ``chunk_size=None`` keeps the
