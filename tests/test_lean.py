@@ -218,4 +218,3 @@ def test_lora_wrapped_models_use_their_own_forward():
     model = apply_lora(build("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     assert lean_unsupported(model) is not None
     assert lean_unsupported(model.get_base_model()) is not None  # its q/v projections are LoRA layers
-
