@@ -52,13 +52,14 @@ def build(name: str) -> torch.nn.Module:
     return model
 
 
-def rollout(group_size: int = 2, prompt_len: int = 5, completion_len: int = 6):
-    """Three left-padded prompts (0, 2 and 4 padding positions), each repeated for its group."""
+def rollout(group_size: int = 2, prompt_len: int = 5, completion_len: int = 6, padded: bool = True):
+    """Three left-padded prompts (0, 2 and 4 padding positions, or none), each repeated for its group."""
     torch.manual_seed(1)
     prompt_ids = torch.randint(1, SIZE["vocab_size"], (3, prompt_len))
     prompt_mask = torch.ones(3, prompt_len, dtype=torch.long)
-    prompt_mask[1, :2] = 0
-    prompt_mask[2, :4] = 0
+    if padded:
+        prompt_mask[1, :2] = 0
+        prompt_mask[2, :4] = 0
     completion_ids = torch.randint(1, SIZE["vocab_size"], (3 * group_size, completion_len))
     completion_mask = torch.ones_like(completion_ids)
     completion_mask[1, 3:] = 0  # a completion that ended early
@@ -74,11 +75,12 @@ def reference_logits(model, prompt_ids, prompt_mask, completion_ids, group_size=
     return logits[:, prompt_ids.size(1) - 1 : -1]
 
 
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_shared_prompt_pass_gives_the_model_logits(name):
+def test_shared_prompt_pass_gives_the_model_logits(name, padded):
     model = build(name)
     assert lean_unsupported(model) is None
-    prompt_ids, prompt_mask, completion_ids, _ = rollout()
+    prompt_ids, prompt_mask, completion_ids, _ = rollout(padded=padded)
     with torch.no_grad():
         expected = reference_logits(model, prompt_ids, prompt_mask, completion_ids)
         hidden = shared_prompt_hidden(
@@ -87,12 +89,13 @@ def test_shared_prompt_pass_gives_the_model_logits(name):
         torch.testing.assert_close(model.lm_head(hidden), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
 @pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_decoding_steps_give_the_model_logits(name, pack):
+def test_decoding_steps_give_the_model_logits(name, pack, padded):
     """Prefill + decoding steps; ``packed``: every weight pre-packed for oneDNN (large weights only, by default)."""
     model = build(name)
-    prompt_ids, prompt_mask, completion_ids, _ = rollout()
+    prompt_ids, prompt_mask, completion_ids, _ = rollout(padded=padded)
     if pack and cpu_packed_linear(model, rows=6, min_elements=1) is None:
         pytest.skip("this torch build cannot pre-pack CPU weights")
     with torch.no_grad():

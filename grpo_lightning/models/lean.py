@@ -29,6 +29,8 @@ KeyValueFn = Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]]
 # (input, nn.Linear) -> output: how a projection is computed
 LinearFn = Callable[[Tensor, nn.Linear], Tensor]
 
+# ``mask`` value for plain causal attention over the positions being computed (no padding, no past keys).
+CAUSAL = "causal"
 # Decoding steps on CPU pre-pack weights of at least this many elements (see ``cpu_packed_linear``).
 PACK_MIN_ELEMENTS = 1 << 18
 
@@ -101,7 +103,7 @@ def _attention(
     x: Tensor,
     cos: Tensor,
     sin: Tensor,
-    mask: Tensor | None,
+    mask: Tensor | str | None,
     keys_values: KeyValueFn,
     linear: LinearFn,
 ) -> Tensor:
@@ -114,8 +116,15 @@ def _attention(
         q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
     q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
     keys, values = keys_values(attn.layer_idx, k, v)
+    causal = isinstance(mask, str)  # CAUSAL: the fused kernels' own causal masking, no mask tensor to read
     out = F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=keys.size(1) != q.size(1)
+        q,
+        keys,
+        values,
+        attn_mask=None if causal else mask,
+        is_causal=causal,
+        scale=attn.scaling,
+        enable_gqa=keys.size(1) != q.size(1),
     )
     return linear(out.transpose(1, 2).reshape(rows, length, -1), attn.o_proj)
 
@@ -143,14 +152,15 @@ def decoder_hidden(
     model: nn.Module,
     input_ids: Tensor,
     positions: Tensor,
-    mask: Tensor | None,
+    mask: Tensor | str | None,
     keys_values: KeyValueFn,
     linear: LinearFn = _linear,
 ) -> Tensor:
     """Hidden states ``[rows, S, H]`` after the last decoder layer, before the final norm.
 
     ``mask`` ``[rows or 1, 1, S, K]`` (True = attend) covers the K keys that ``keys_values`` returns for each
-    layer; None lets every position attend to every key. ``linear`` computes the projections.
+    layer; None lets every position attend to every key; ``CAUSAL`` is causal attention among the S positions
+    (which must be all the keys). ``linear`` computes the projections.
     """
     inner = model.model
     x = inner.embed_tokens(input_ids)
@@ -191,9 +201,7 @@ def run_prompts(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor) -> tu
         values.append(v)
         return k, v
 
-    mask = None if bool(prompt_mask.all()) else _prompt_mask_4d(prompt_mask)
-    if mask is None and prompt_ids.size(1) > 1:
-        mask = torch.ones(prompt_ids.size(1), prompt_ids.size(1), dtype=torch.bool, device=prompt_ids.device).tril()
+    mask = CAUSAL if bool(prompt_mask.all()) else _prompt_mask_4d(prompt_mask)
     hidden = decoder_hidden(model, prompt_ids, prompt_positions(prompt_mask), mask, collect)
     return hidden, keys, values
 
