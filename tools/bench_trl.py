@@ -3,6 +3,7 @@
     pip install -e ".[bench]"          # TRL, pinned (an optional extra, not a runtime dependency)
     python tools/bench_trl.py          # settings A and B, 3 runs each, the frameworks alternated
     python tools/bench_trl.py --settings A --runs 5
+    python tools/bench_trl.py --device cuda           # on a GPU (same settings, float32); memory = peak GPU memory
 
 Both sides train the same Llama-architecture model (built from a config with a fixed seed and saved once), with
 the same character tokenizer, prompts, reward function and seed; completions have a fixed length (EOS is
@@ -33,6 +34,8 @@ from typing import Any
 
 SEED = 0
 LR = 1e-6
+# "cpu" or "cuda": set by --device in the parent, read by each child run.
+DEVICE = os.environ.get("GRPO_BENCH_DEVICE", "cpu")
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,10 @@ def build_assets(settings: Settings, folder: Path) -> None:
 
 def stamp() -> tuple[float, float]:
     """Wall-clock and process CPU time now (CPU time is less sensitive to other processes sharing the cores)."""
+    if DEVICE == "cuda":
+        import torch
+
+        torch.cuda.synchronize()  # the step's kernels have finished, not merely been queued
     return time.perf_counter(), time.process_time()
 
 
@@ -120,12 +127,20 @@ def summarize(stamps: list[tuple[float, float]], settings: Settings) -> dict[str
         "s_per_step": (wall1 - wall0) / settings.measured_steps,
         "cpu_s_per_step": (cpu1 - cpu0) / settings.measured_steps,
         "peak_rss_mb": peak_rss_mb(),
+        **({"peak_gpu_mb": peak_gpu_mb()} if DEVICE == "cuda" else {}),
     }
 
 
 def peak_rss_mb() -> float:
     """This process's peak resident memory in MiB (Linux reports ``ru_maxrss`` in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def peak_gpu_mb() -> float:
+    """Peak GPU memory allocated by this process's tensors, in MiB."""
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**20
 
 
 def make_ours(settings: Settings, folder: Path, callbacks: list[Any]) -> tuple[Any, Any, Any]:
@@ -162,7 +177,7 @@ def make_ours(settings: Settings, folder: Path, callbacks: list[Any]) -> tuple[A
         seed=SEED,
     )
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator="gpu" if DEVICE == "cuda" else "cpu",
         devices=1,
         max_steps=settings.warmup_steps + settings.measured_steps,
         reload_dataloaders_every_n_epochs=1,
@@ -211,7 +226,7 @@ def run_trl(settings: Settings, folder: Path) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(
             output_dir=out,
-            use_cpu=True,
+            use_cpu=DEVICE == "cpu",
             bf16=False,
             gradient_checkpointing=False,
             seed=SEED,
@@ -259,7 +274,7 @@ def run_child(framework: str, name: str, settings: Settings, folder: Path, threa
     steps = [str(settings.warmup_steps), str(settings.measured_steps)]
     cmd = [sys.executable, __file__, "--child", framework, "--settings", name, "--steps", *steps]
     cmd += ["--assets", str(folder)]
-    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "GRPO_BENCH_DEVICE": DEVICE}
     if threads is not None:  # both sides alike; unset: torch's default (one thread per core)
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -278,9 +293,12 @@ def main() -> None:
         "--steps", nargs=2, type=int, metavar=("WARMUP", "MEASURED"), help="override the steps timed (all settings)"
     )
     parser.add_argument("--threads", type=int, help="CPU threads per run (default: torch's default, one per core)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both frameworks train")
     parser.add_argument("--child", choices=("ours", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--assets", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = os.environ["GRPO_BENCH_DEVICE"] = args.device if not args.child else DEVICE
     chosen = {name: SETTINGS[name] for name in args.settings}
     if args.steps:
         chosen = {n: replace(s, warmup_steps=args.steps[0], measured_steps=args.steps[1]) for n, s in chosen.items()}
@@ -304,7 +322,8 @@ def main() -> None:
                     print(
                         f"settings {name} run {run + 1} {framework:>4}: {result['s_per_step']:.4f} s/step "
                         f"(CPU {result['cpu_s_per_step']:.4f}), peak RSS {result['peak_rss_mb']:.0f} MiB, "
-                        f"load {loads[-1]:.2f} before",
+                        + (f"peak GPU {result['peak_gpu_mb']:.0f} MiB, " if "peak_gpu_mb" in result else "")
+                        + f"load {loads[-1]:.2f} before",
                         flush=True,
                     )
         med = {fw: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for fw, runs in results.items()}
@@ -327,11 +346,16 @@ def main() -> None:
             f"{ours['cpu_s_per_step']:.3f} | {trl['peak_rss_mb']:.0f} | {ours['peak_rss_mb']:.0f} |"
         )
     threads = args.threads or "torch default"
+    if DEVICE == "cuda":
+        for name, _, _, med in rows:
+            trl, ours = med["trl"]["peak_gpu_mb"], med["ours"]["peak_gpu_mb"]
+            print(f"settings {name}: peak GPU memory TRL {trl:.0f} MiB, ours {ours:.0f} MiB")
     print(f"\n(median of {args.runs} runs each; threads per run: {threads}; ", end="")
     print(f"1-minute load average before the runs: {min(loads):.2f} to {max(loads):.2f} on {os.cpu_count()} CPUs)\n")
     for name, _, _, med in rows:
         ratio = med["ours"]["s_per_step"] / med["trl"]["s_per_step"]
-        mem_ratio = med["ours"]["peak_rss_mb"] / med["trl"]["peak_rss_mb"]
+        memory = "peak_gpu_mb" if DEVICE == "cuda" else "peak_rss_mb"  # on a GPU, the memory that limits a run
+        mem_ratio = med["ours"][memory] / med["trl"][memory]
         print(f"settings={name} ratio={ratio:.2f} mem_ratio={mem_ratio:.2f}")
 
 
