@@ -18,6 +18,12 @@ def length_reward(prompts, completions, **_):
     return [float(len(c)) for c in completions]
 
 
+@register("test_gated_digits")
+def gated_digits(prompts, completions, **_):
+    """Digits in the completion for prompts starting with 7 or 9, else 0: other groups are uninformative."""
+    return [float(sum(ch.isdigit() for ch in c)) if p[0] in "79" else 0.0 for p, c in zip(prompts, completions)]
+
+
 class Recorder(Callback):
     def __init__(self):
         self.steps_per_epoch, self.positions, self.batch_rows = [], [], []
@@ -121,13 +127,16 @@ def test_old_logprobs_from_the_sampler_equal_a_recomputed_pass(choice):
 
     module = GRPOModule(
         tiny_model=TINY,
-        rewards=[RewardSpec("test_length")],
+        rewards=[RewardSpec("test_gated_digits")],
         sampling=SamplingConfig(group_size=4, max_new_tokens=6, temperature=0.7),
         objective=ObjectiveConfig(num_iterations=2, old_logprobs=choice),
     )
     module.configure_model()
     assert module.old_logprobs_from_sampler() is (choice != "recompute")
-    batch = collect_rollout(module, lambda: {"prompt": ["1+2=", "33+4="]})
+    prompts = iter([["1+2=", "33+4="], ["7+8=", "123+4="], ["9+9=", "5+55="], ["1+1=", "2+2="]])
+    # DAPO's dynamic sampling concatenates several generations (prompts of other lengths): still aligned.
+    batch = collect_rollout(module, lambda: {"prompt": next(prompts)}, dynamic_sampling=True, max_sampling_rounds=4)
+    assert batch.metrics["rollout/sampling_rounds"] >= 2  # rows from several generations
     recomputed, _ = module.rollout_logprobs(replace(batch, old_logprobs=None))
     torch.testing.assert_close(batch.old_logprobs, recomputed, atol=1e-5, rtol=1e-5)
     module.objective = ObjectiveConfig(num_iterations=1, old_logprobs=choice)
