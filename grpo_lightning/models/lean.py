@@ -22,6 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch build without distributed support has no shards
+    DTensor = None
+
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 
 # (layer index, new keys, new values) -> all keys and values the new positions attend to
@@ -68,17 +73,9 @@ def lean_unsupported(model: nn.Module) -> str | None:
     for param in model.parameters():
         # FSDP2 shards are DTensors and DeepSpeed ZeRO-3 partitions carry ds_id: their full weights exist only
         # inside the wrappers' own forward hooks.
-        if hasattr(param, "ds_id") or _is_dtensor(param):
+        if hasattr(param, "ds_id") or (DTensor is not None and isinstance(param, DTensor)):
             return "sharded parameters (FSDP2, DeepSpeed)"
     return None
-
-
-def _is_dtensor(param: Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch build without distributed support has no shards
-        return False
-    return isinstance(param, DTensor)
 
 
 def _rms_norm(x: Tensor, norm: nn.Module) -> Tensor:
