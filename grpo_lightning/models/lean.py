@@ -130,21 +130,6 @@ def _mlp(mlp: nn.Module, h: Tensor, linear: LinearFn) -> Tensor:
     return linear(mlp.act_fn(linear(h, mlp.gate_proj)) * linear(h, mlp.up_proj), mlp.down_proj)
 
 
-def _mlp(mlp: nn.Module, h: Tensor, linear: LinearFn) -> Tensor:
-    return linear(mlp.act_fn(linear(h, mlp.gate_proj)) * linear(h, mlp.up_proj), mlp.down_proj)
-
-
-def _one_query_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    """Attention of one query per row ``q`` ``[rows, heads, 1, D]``; key/value heads shared by groups of heads."""
-    rows, heads, _, dim = q.shape
-    groups = heads // keys.size(1)
-    q = q.reshape(rows, keys.size(1), groups, dim)  # the query heads that read each key/value head
-    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)  # [rows, kv_heads, groups, K]
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1), values).view(rows, heads, 1, dim)
-
-
 def decoder_hidden(
     model: nn.Module,
     input_ids: Tensor,
