@@ -168,9 +168,10 @@ def _prompt_mask_4d(prompt_mask: Tensor) -> Tensor:
     return ((causal & prompt_mask.bool()[:, None, :]) | diagonal)[:, None]
 
 
-def prompt_positions(prompt_mask: Tensor) -> Tensor:
-    """Position ids of left-padded prompts (padding gets 0, as in ``transformers``' generation)."""
-    return (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
+def mask_positions(attention_mask: Tensor) -> Tensor:
+    """Position ids of left-padded sequences from their attention mask (padding gets 0, as in ``transformers``'
+    generation)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def run_prompts(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, list[Tensor], list[Tensor]]:
@@ -184,7 +185,7 @@ def run_prompts(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor) -> tu
         return k, v
 
     mask = CAUSAL if bool(prompt_mask.all()) else _prompt_mask_4d(prompt_mask)
-    hidden = decoder_hidden(model, prompt_ids, prompt_positions(prompt_mask), mask, collect)
+    hidden = decoder_hidden(model, prompt_ids, mask_positions(prompt_mask), mask, collect)
     return hidden, keys, values
 
 
@@ -277,7 +278,7 @@ class LeanDecoder:
                 buffers.append(buffer)
         self.filled = length
         self.linear = cpu_packed_linear(self.model, rows * group_size, self.pack_min_elements) or _linear
-        self.positions = prompt_positions(prompt_mask)[:, -1:].repeat_interleave(group_size, dim=0)
+        self.positions = mask_positions(prompt_mask)[:, -1:].repeat_interleave(group_size, dim=0)
         # Padded prompts: a key mask over the buffer (prompt padding masked, generated positions open).
         self.key_mask = None
         if not bool(prompt_mask.all()):

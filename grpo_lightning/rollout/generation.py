@@ -16,7 +16,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from grpo_lightning.models.lean import LeanDecoder, lean_unsupported
+from grpo_lightning.models.lean import LeanDecoder, lean_unsupported, mask_positions
 
 # Log-probs live in logprobs.py (chunked, bounded memory); imported here for the callers that expect them here.
 from grpo_lightning.rollout.logprobs import (  # noqa: F401
@@ -139,7 +139,7 @@ class _ModelDecoder:
         self.model, self.cache_kwarg = model, _cache_kwarg(model)
 
     def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, group_size: int, max_new_tokens: int) -> Tensor:
-        positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
+        positions = mask_positions(prompt_mask)
         self.cache = DynamicCache(config=self.model.config)
         out = self.model(
             input_ids=prompt_ids,

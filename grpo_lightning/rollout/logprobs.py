@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from grpo_lightning.models.lean import lean_unsupported, shared_prompt_hidden
+from grpo_lightning.models.lean import lean_unsupported, mask_positions, shared_prompt_hidden
 
 # Completion tokens whose full-vocabulary logits exist at once: 1024 × a 152k vocabulary in float32 is 0.6 GB,
 # whatever the batch size and completion length.
@@ -288,7 +288,7 @@ def completion_logprobs(
             continue
         input_ids = torch.cat([prompt_ids[rows], completion_ids[rows]], dim=1)
         attention = torch.cat([prompt_mask[rows], completion_mask[rows]], dim=1)
-        positions = (attention.long().cumsum(-1) - 1).clamp(min=0)
+        positions = mask_positions(attention)
         labels, mask = completion_ids[rows], completion_mask[rows].bool()
         hooks = (
             _logprobs_as_logits(
