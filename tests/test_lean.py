@@ -21,7 +21,13 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from grpo_lightning.models.lean import LeanDecoder, cpu_packed_linear, lean_unsupported, shared_prompt_hidden
+from grpo_lightning.models.lean import (
+    LeanDecoder,
+    Projection,
+    cpu_weight_packer,
+    lean_unsupported,
+    shared_prompt_hidden,
+)
 from grpo_lightning.rollout.generation import sample_completions
 from grpo_lightning.rollout.logprobs import completion_logprobs
 
@@ -96,7 +102,8 @@ def test_decoding_steps_give_the_model_logits(name, pack, padded):
     """Prefill + decoding steps; ``packed``: every weight pre-packed for oneDNN (large weights only, by default)."""
     model = build(name)
     prompt_ids, prompt_mask, completion_ids, _ = rollout(padded=padded)
-    if pack and cpu_packed_linear(model, rows=6, min_elements=1) is None:
+    packer = cpu_weight_packer(rows=6, min_elements=1)
+    if pack and (packer is None or packer(model.lm_head.weight) is None):
         pytest.skip("this torch build cannot pre-pack CPU weights")
     with torch.no_grad():
         expected = reference_logits(model, prompt_ids, prompt_mask, completion_ids)
@@ -105,6 +112,8 @@ def test_decoding_steps_give_the_model_logits(name, pack, padded):
         for step in range(completion_ids.size(1) - 1):
             logits.append(decoder.decode(completion_ids[:, step]))
         torch.testing.assert_close(torch.stack(logits, 1), expected, atol=1e-5, rtol=1e-5)
+    projections = [p for layer in decoder.layers for p in layer if isinstance(p, Projection)]
+    assert all((p.packed is not None) == pack for p in projections)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])

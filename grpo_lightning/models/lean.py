@@ -17,6 +17,7 @@ logits and log-probs against the ``transformers`` forward for every architecture
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +32,10 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 
 # (layer index, new keys, new values) -> all keys and values the new positions attend to
 KeyValueFn = Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]]
-# (input, nn.Linear) -> output: how a projection is computed
-LinearFn = Callable[[Tensor, nn.Linear], Tensor]
 
 # ``mask`` value for plain causal attention over the positions being computed (no padding, no past keys).
 CAUSAL = "causal"
-# Decoding steps on CPU pre-pack weights of at least this many elements (see ``cpu_packed_linear``).
+# Decoding steps on CPU pre-pack weights of at least this many elements (see ``cpu_weight_packer``).
 PACK_MIN_ELEMENTS = 1 << 18
 
 
@@ -78,11 +77,86 @@ def lean_unsupported(model: nn.Module) -> str | None:
     return None
 
 
-def _rms_norm(x: Tensor, norm: nn.Module) -> Tensor:
+class Projection(NamedTuple):
+    """A linear layer's tensors; ``packed``: its weight pre-packed for oneDNN (CPU decoding steps), else None."""
+
+    weight: Tensor
+    bias: Tensor | None
+    packed: Tensor | None = None
+
+
+class Norm(NamedTuple):
+    """An RMSNorm's scale and epsilon."""
+
+    weight: Tensor
+    eps: float
+
+
+class LayerWeights(NamedTuple):
+    """One decoder layer's tensors and constants.
+
+    Why: read from the modules once per pass (or once per rollout, for the decoding steps) instead of through
+    ``nn.Module`` attribute lookups at every step, which cost about a microsecond each, some 35 per layer.
+    """
+
+    layer_idx: int
+    input_norm: Norm
+    q: Projection
+    k: Projection
+    v: Projection
+    o: Projection
+    q_norm: Norm | None  # Qwen3: RMSNorm of each head of q and k before the rotation
+    k_norm: Norm | None
+    post_attention_norm: Norm
+    gate: Projection
+    up: Projection
+    down: Projection
+    act: Callable[[Tensor], Tensor]
+    head_dim: int
+    scaling: float
+
+
+def _norm(module: nn.Module) -> Norm:
+    return Norm(module.weight, module.variance_epsilon)
+
+
+def decoder_weights(model: nn.Module, pack: Callable[[Tensor], Tensor | None] | None = None) -> list[LayerWeights]:
+    """Every decoder layer's ``LayerWeights``; ``pack`` (weight -> packed weight or None) pre-packs projections."""
+
+    def projection(linear: nn.Linear) -> Projection:
+        return Projection(linear.weight, linear.bias, pack(linear.weight) if pack is not None else None)
+
+    layers = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qk_norm = hasattr(attn, "q_norm")
+        layers.append(
+            LayerWeights(
+                layer_idx=attn.layer_idx,
+                input_norm=_norm(layer.input_layernorm),
+                q=projection(attn.q_proj),
+                k=projection(attn.k_proj),
+                v=projection(attn.v_proj),
+                o=projection(attn.o_proj),
+                q_norm=_norm(attn.q_norm) if qk_norm else None,
+                k_norm=_norm(attn.k_norm) if qk_norm else None,
+                post_attention_norm=_norm(layer.post_attention_layernorm),
+                gate=projection(mlp.gate_proj),
+                up=projection(mlp.up_proj),
+                down=projection(mlp.down_proj),
+                act=mlp.act_fn,
+                head_dim=attn.head_dim,
+                scaling=attn.scaling,
+            )
+        )
+    return layers
+
+
+def _rms_norm(x: Tensor, norm: Norm) -> Tensor:
     """``LlamaRMSNorm``: normalised in float32, scaled in the input's dtype."""
     if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.size(-1),), norm.weight, norm.variance_epsilon)
-    return norm.weight * F.rms_norm(x.float(), (x.size(-1),), None, norm.variance_epsilon).to(x.dtype)
+        return F.rms_norm(x, (x.size(-1),), norm.weight, norm.eps)
+    return norm.weight * F.rms_norm(x.float(), (x.size(-1),), None, norm.eps).to(x.dtype)
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -91,28 +165,23 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def _linear(x: Tensor, layer: nn.Linear) -> Tensor:
-    return F.linear(x, layer.weight, layer.bias)
+def _linear(x: Tensor, p: Projection) -> Tensor:
+    if p.packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, p.packed, p.bias, "none", [], "")
+    return F.linear(x, p.weight, p.bias)
 
 
 def _attention(
-    layer: nn.Module,
-    x: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    mask: Tensor | str | None,
-    keys_values: KeyValueFn,
-    linear: LinearFn,
+    w: LayerWeights, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | str | None, keys_values: KeyValueFn
 ) -> Tensor:
-    attn = layer.self_attn
     rows, length, _ = x.shape
-    q = linear(x, attn.q_proj).view(rows, length, -1, attn.head_dim)
-    k = linear(x, attn.k_proj).view(rows, length, -1, attn.head_dim)
-    v = linear(x, attn.v_proj).view(rows, length, -1, attn.head_dim).transpose(1, 2)
-    if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm of each head before the rotation
-        q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
+    q = _linear(x, w.q).view(rows, length, -1, w.head_dim)
+    k = _linear(x, w.k).view(rows, length, -1, w.head_dim)
+    v = _linear(x, w.v).view(rows, length, -1, w.head_dim).transpose(1, 2)
+    if w.q_norm is not None:
+        q, k = _rms_norm(q, w.q_norm), _rms_norm(k, w.k_norm)
     q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
-    keys, values = keys_values(attn.layer_idx, k, v)
+    keys, values = keys_values(w.layer_idx, k, v)
     causal = isinstance(mask, str)  # CAUSAL: the fused kernels' own causal masking, no mask tensor to read
     out = F.scaled_dot_product_attention(
         q,
@@ -120,14 +189,14 @@ def _attention(
         values,
         attn_mask=None if causal else mask,
         is_causal=causal,
-        scale=attn.scaling,
+        scale=w.scaling,
         enable_gqa=keys.size(1) != q.size(1),
     )
-    return linear(out.transpose(1, 2).reshape(rows, length, -1), attn.o_proj)
+    return _linear(out.transpose(1, 2).reshape(rows, length, -1), w.o)
 
 
-def _mlp(mlp: nn.Module, h: Tensor, linear: LinearFn) -> Tensor:
-    return linear(mlp.act_fn(linear(h, mlp.gate_proj)) * linear(h, mlp.up_proj), mlp.down_proj)
+def _mlp(w: LayerWeights, h: Tensor) -> Tensor:
+    return _linear(w.act(_linear(h, w.gate)) * _linear(h, w.up), w.down)
 
 
 def decoder_hidden(
@@ -136,27 +205,27 @@ def decoder_hidden(
     positions: Tensor,
     mask: Tensor | str | None,
     keys_values: KeyValueFn,
-    linear: LinearFn = _linear,
+    layers: list[LayerWeights] | None = None,
 ) -> Tensor:
     """Hidden states ``[rows, S, H]`` after the last decoder layer, before the final norm.
 
     ``mask`` ``[rows or 1, 1, S, K]`` (True = attend) covers the K keys that ``keys_values`` returns for each
     layer; None lets every position attend to every key; ``CAUSAL`` is causal attention among the S positions
-    (which must be all the keys). ``linear`` computes the projections.
+    (which must be all the keys). ``layers``: the model's ``decoder_weights``, when the caller keeps them.
     """
     inner = model.model
     x = inner.embed_tokens(input_ids)
     cos, sin = inner.rotary_emb(x, positions)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    for layer in inner.layers:
-        x = x + _attention(layer, _rms_norm(x, layer.input_layernorm), cos, sin, mask, keys_values, linear)
-        x = x + _mlp(layer.mlp, _rms_norm(x, layer.post_attention_layernorm), linear)
+    for w in layers if layers is not None else decoder_weights(model):
+        x = x + _attention(w, _rms_norm(x, w.input_norm), cos, sin, mask, keys_values)
+        x = x + _mlp(w, _rms_norm(x, w.post_attention_norm))
     return x
 
 
 def final_norm(model: nn.Module, hidden: Tensor) -> Tensor:
     """The model's last RMSNorm, which the output layer reads."""
-    return _rms_norm(hidden, model.model.norm)
+    return _rms_norm(hidden, _norm(model.model.norm))
 
 
 def _prompt_mask_4d(prompt_mask: Tensor) -> Tensor:
@@ -218,39 +287,28 @@ def shared_prompt_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tens
     return final_norm(model, torch.cat([last, hidden], dim=1))
 
 
-def cpu_packed_linear(model: nn.Module, rows: int, min_elements: int = PACK_MIN_ELEMENTS) -> LinearFn | None:
-    """Projections on weights pre-packed once in oneDNN's blocked layout, for the decoding steps of a rollout.
+def cpu_weight_packer(rows: int, min_elements: int = PACK_MIN_ELEMENTS) -> Callable[[Tensor], Tensor | None] | None:
+    """``weight -> packed weight or None``: pre-packs weights in oneDNN's blocked layout for ``rows``-row products.
 
     Why: a decoding step multiplies ``rows`` vectors by every weight matrix, so on CPU it is bound by reading the
     weights from memory; the blocked layout streams them about 20% faster (measured on settings B of
-    ``tools/bench_trl.py``). Small weights stay in cache anyway and gain nothing. None when not applicable
-    (weights off the CPU or not float32, a torch build without oneDNN): the caller keeps plain ``F.linear``.
-    The packing ops are torch's own (as used by ``torch.compile``'s CPU backend) but not public API, so any
-    failure to pack also returns None; ``tests/test_lean.py`` checks the results against ``F.linear``.
+    ``tools/bench_trl.py``). Small weights stay in cache anyway and gain nothing: they, and weights off the CPU or
+    not in float32, are left as they are (None). The function is None when this torch build has no oneDNN. The
+    packing ops are torch's own (as used by ``torch.compile``'s CPU backend) but not public API, so a weight that
+    fails to pack is left as it is; ``tests/test_lean.py`` checks packed results against ``F.linear``.
     """
-    layers = [
-        module
-        for module in model.model.layers.modules()
-        if type(module) is nn.Linear
-        and module.weight.device.type == "cpu"
-        and module.weight.dtype == torch.float32
-        and module.weight.numel() >= min_elements
-    ]
-    if not layers or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        packed = {layer: torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), rows) for layer in layers}
-        linear_pointwise = torch.ops.mkldnn._linear_pointwise
-    except (AttributeError, RuntimeError):
+    if not torch.backends.mkldnn.is_available():
         return None
 
-    def linear(x: Tensor, layer: nn.Linear) -> Tensor:
-        weight = packed.get(layer)
-        if weight is None:
-            return _linear(x, layer)
-        return linear_pointwise(x, weight, layer.bias, "none", [], "")
+    def pack(weight: Tensor) -> Tensor | None:
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.numel() < min_elements:
+            return None
+        try:
+            return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+        except (AttributeError, RuntimeError):
+            return None
 
-    return linear
+    return pack
 
 
 class LeanDecoder:
@@ -258,7 +316,7 @@ class LeanDecoder:
 
     ``prefill`` runs each prompt once and copies its keys and values into buffers sized for the whole completion,
     once per sample of its group; ``decode`` writes one position per step and attends to the filled part. On CPU,
-    large weights are pre-packed for the decoding steps (``cpu_packed_linear``).
+    large weights are pre-packed for the decoding steps (``cpu_weight_packer``).
     """
 
     def __init__(self, model: nn.Module, pack_min_elements: int = PACK_MIN_ELEMENTS) -> None:
@@ -277,14 +335,17 @@ class LeanDecoder:
                 buffer.view(rows, group_size, *buffer.shape[1:])[..., :length, :] = prefix[:, None]
                 buffers.append(buffer)
         self.filled = length
-        self.linear = cpu_packed_linear(self.model, rows * group_size, self.pack_min_elements) or _linear
+        # Read once for all decoding steps, with large weights pre-packed on CPU (``cpu_weight_packer``).
+        self.layers = decoder_weights(self.model, cpu_weight_packer(rows * group_size, self.pack_min_elements))
         self.positions = mask_positions(prompt_mask)[:, -1:].repeat_interleave(group_size, dim=0)
         # Padded prompts: a key mask over the buffer (prompt padding masked, generated positions open).
         self.key_mask = None
         if not bool(prompt_mask.all()):
             self.key_mask = torch.ones(rows * group_size, capacity, dtype=torch.bool, device=prompt_ids.device)
             self.key_mask[:, :length] = prompt_mask.bool().repeat_interleave(group_size, dim=0)
-        return self.model.lm_head(final_norm(self.model, hidden[:, -1]))
+        self.final_norm = _norm(self.model.model.norm)
+        self.output = Projection(self.model.lm_head.weight, self.model.lm_head.bias)
+        return _linear(_rms_norm(hidden[:, -1], self.final_norm), self.output)
 
     @torch.no_grad()
     def decode(self, tokens: Tensor) -> Tensor:
@@ -298,6 +359,6 @@ class LeanDecoder:
             return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
         mask = None if self.key_mask is None else self.key_mask[:, None, None, :end]
-        hidden = decoder_hidden(self.model, tokens[:, None], self.positions, mask, write, self.linear)
+        hidden = decoder_hidden(self.model, tokens[:, None], self.positions, mask, write, self.layers)
         self.filled = end
-        return self.model.lm_head(final_norm(self.model, hidden[:, -1]))
+        return _linear(_rms_norm(hidden[:, -1], self.final_norm), self.output)
