@@ -402,10 +402,18 @@ class GRPOModule(LightningModule):
             entropy_coef=objective.entropy_coef,
             **{name: getattr(objective, name) for name in _LOSS_OPTIONS},
         )
-        if not torch.isfinite(loss.detach()):  # name the culprit for the non-finite guard (on_before_optimizer_step)
-            mask = batch["loss_mask"]
-            model_terms = nonfinite_terms({"policy log-probs": logprobs, "entropy": entropy}, mask)
-            self.nonfinite.record(nonfinite_inputs(batch), model_terms, nonfinite_terms(metrics), ["loss"])
+        # Checked with the gradients before the optimizer step (one device sync per step, none per micro-batch);
+        # if the loss was not finite, these name the culprit.
+        terms = {"policy log-probs": logprobs.detach(), "entropy": None if entropy is None else entropy.detach()}
+        self.nonfinite.check_later(
+            loss,
+            lambda: (
+                nonfinite_inputs(batch),
+                nonfinite_terms(terms, batch["loss_mask"]),
+                nonfinite_terms(metrics),
+                ["loss"],
+            ),
+        )
         self.log("train/loss", loss.detach(), prog_bar=False)
         self.log_dict({f"train/{name}": value for name, value in metrics.items()})
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])

@@ -25,7 +25,7 @@ from lightning import Callback, Trainer, seed_everything
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.callbacks.checkpointing import WRITE_DELAY_ENV
-from grpo_lightning.callbacks.guard import NonFiniteError
+from grpo_lightning.callbacks.guard import NonFiniteError, NonFiniteGuard
 from grpo_lightning.cli import TRAINER_DEFAULTS, main
 from grpo_lightning.rewards import RewardSpec, register
 
@@ -272,6 +272,26 @@ def test_a_non_finite_step_is_skipped_and_training_continues(tmp_path, caplog, k
     # The skipped step did not advance the warm-up either: 3 scheduler steps for 3 updates.
     assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 3
     assert trainer.lightning_module.nonfinite.total == 1
+
+
+def test_the_guard_names_culprits_only_for_non_finite_losses_at_step_time():
+    """Losses are queued (no device sync per micro-batch); culprits are looked for only when one was not finite."""
+    guard = NonFiniteGuard()
+    grad = torch.nn.Parameter(torch.ones(2))
+    grad.grad = torch.ones(2)
+
+    def never() -> list[list[str]]:
+        raise AssertionError("culprits looked for although the loss was finite")
+
+    guard.check_later(torch.tensor(1.0), never)
+    assert guard.should_skip(guard.check_pending([("w", grad)])) == []
+    guard.check_later(torch.tensor(1.0), never)
+    guard.check_later(torch.tensor(float("nan")), lambda: [[], ["advantages"], ["loss"]])  # first non-empty stage
+    assert guard.should_skip(guard.check_pending([("w", grad)])) == ["advantages"]
+    grad.grad = torch.tensor([1.0, float("inf")])
+    guard.check_later(torch.tensor(1.0), never)
+    assert guard.should_skip(guard.check_pending([("w", grad)])) == ["gradients of w (the loss was finite)"]
+    assert guard._pending == []
 
 
 def test_consecutive_non_finite_steps_stop_the_run_with_the_culprit(tmp_path):

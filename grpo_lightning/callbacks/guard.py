@@ -1,15 +1,16 @@
 """The non-finite guard: a NaN/Inf loss or gradient never reaches the weights.
 
-``GRPOModule.training_step`` names what was non-finite in a micro-batch (:func:`nonfinite_inputs`,
-:func:`nonfinite_terms`); before each optimizer step :class:`NonFiniteGuard` checks the gradients too, and when
-anything was non-finite drops the gradients (the optimizer then leaves every weight, and its own state, as they
+``GRPOModule.training_step`` queues each micro-batch's loss (:meth:`NonFiniteGuard.check_later`); before each
+optimizer step :class:`NonFiniteGuard` checks those losses and the gradients together, with one device sync per
+step (none per micro-batch), names what was non-finite (:func:`nonfinite_inputs`, :func:`nonfinite_terms`), and
+when anything was drops the gradients (the optimizer then leaves every weight, and its own state, as they
 were), logs the round and the culprit, and stops the run after ``max_skips`` such steps in a row.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from lightning import LightningModule
@@ -62,6 +63,8 @@ class NonFiniteGuard:
         self.consecutive = 0  # skipped steps in a row
         self.total = 0  # skipped steps in the whole run
         self._culprits: list[str] = []  # what the micro-batches of the pending optimizer step found
+        # (loss is finite, as a device tensor; what names the culprits) of each micro-batch of the pending step
+        self._pending: list[tuple[Tensor, Callable[[], Sequence[Iterable[str]]]]] = []
         self.last_skipped = False  # whether the latest optimizer step was skipped (the LR schedule waits too)
 
     def before_step(self, module: LightningModule, optimizer: torch.optim.Optimizer) -> None:
@@ -70,7 +73,7 @@ class NonFiniteGuard:
         # Under fp16 AMP the GradScaler itself skips steps with inf gradients and lowers its scale, routinely at
         # the start of a run: counting those would stop healthy runs. The loss and its inputs are still checked.
         scaled = str(trainer.precision).startswith("16")
-        culprits = self.should_skip([] if scaled else self.nonfinite_gradients(module.named_parameters()))
+        culprits = self.should_skip(self.check_pending([] if scaled else module.named_parameters()))
         # Every rank skips if any has to: the replicas must stay identical.
         self.last_skipped = bool(trainer.strategy.reduce_boolean_decision(bool(culprits), all=False))
         module.log("train/nonfinite_skips", float(self.total + self.last_skipped), on_step=True, batch_size=1)
@@ -83,26 +86,34 @@ class NonFiniteGuard:
                 param.grad = None
         self.skipped(culprits, trainer.current_epoch + 1, trainer.global_step)
 
-    def record(self, *stages: Iterable[str]) -> None:
-        """Remember what a micro-batch found non-finite, for the optimizer step it accumulates into.
+    def check_later(self, loss: Tensor, find_culprits: Callable[[], Sequence[Iterable[str]]]) -> None:
+        """Queue a micro-batch's loss for the check before its optimizer step: no device sync now.
 
-        ``stages`` go from cause to effect (inputs, then the loss terms computed from them): the first non-empty
+        ``find_culprits`` runs only if the loss was not finite; it returns the stages, from cause to effect
+        (inputs, then the loss terms computed from them), that name what was non-finite: the first non-empty
         one is kept.
         """
-        culprits = next((list(stage) for stage in stages if stage), [])
-        for culprit in culprits:
-            if culprit not in self._culprits:
-                self._culprits.append(culprit)
+        self._pending.append((torch.isfinite(loss.detach()).all(), find_culprits))
 
-    def nonfinite_gradients(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]]) -> list[str]:
-        """Names of the parameters whose gradient holds a NaN/Inf (one device sync for all of them)."""
-        named = [(name, _local(p.grad)) for name, p in named_parameters if p.grad is not None]
-        if not named:
+    def check_pending(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]]) -> list[str]:
+        """Checks the queued losses and the gradients (one device sync for all); records the micro-batches'
+        culprits and returns the names of the parameters whose gradient holds a NaN/Inf."""
+        pending, self._pending = self._pending, []
+        grads = [(name, _local(p.grad)) for name, p in named_parameters if p.grad is not None]
+        flags = [finite for finite, _ in pending] + [torch.isfinite(g).all() for _, g in grads]
+        if not flags:
             return []
-        finite = torch.stack([torch.isfinite(g).all() for _, g in named])
+        finite = torch.stack(flags)
         if bool(finite.all()):
             return []
-        return [name for (name, _), ok in zip(named, finite.tolist()) if not ok]
+        finite = finite.tolist()
+        for (_, find_culprits), ok in zip(pending, finite):
+            if not ok:
+                stages = find_culprits()
+                for culprit in next((list(stage) for stage in stages if stage), []):
+                    if culprit not in self._culprits:
+                        self._culprits.append(culprit)
+        return [name for (name, _), ok in zip(grads, finite[len(pending) :]) if not ok]
 
     def should_skip(self, bad_gradients: list[str]) -> list[str]:
         """The culprits of the pending step (empty: take it); clears them for the next step.
