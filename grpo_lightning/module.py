@@ -25,6 +25,7 @@ from grpo_lightning.config import ConfigError, ObjectiveConfig, SamplingConfig
 from grpo_lightning.evaluation import HeldOutEvaluator
 from grpo_lightning.lora import LoraConfig, apply_lora, is_peft_model
 from grpo_lightning.loss import grpo_loss
+from grpo_lightning.models.lean import PromptGroups
 from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
 from grpo_lightning.rewards import RewardSpec
 from grpo_lightning.rewards.combine import is_process_reward, score_steps, step_separator
@@ -375,7 +376,7 @@ class GRPOModule(LightningModule):
         return old, ref
 
     # ------------------------------------------------------------------------------------------ update
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         objective = self.objective
         with_entropy = self.hparams.log_entropy or objective.entropy_coef != 0
         logprobs, entropy = completion_logprobs(
@@ -388,6 +389,13 @@ class GRPOModule(LightningModule):
             with_entropy=with_entropy,
             chunk_size=self.hparams.logprob_chunk_size,
             lean=self.hparams.lean_forward,
+            # Precomputed at rollout time (RolloutBatch.tensors), so this forward makes no device sync.
+            positions=batch.get("token_positions"),
+            groups=(
+                PromptGroups(batch["prompt_first"], batch["prompt_inverse"], batch["prompts_padded"])
+                if "prompt_first" in batch
+                else None
+            ),
         )
         loss, metrics = grpo_loss(
             logprobs,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -26,10 +27,11 @@ from grpo_lightning.models.lean import (
     Projection,
     cpu_weight_packer,
     lean_unsupported,
+    prompt_groups,
     shared_prompt_hidden,
 )
 from grpo_lightning.rollout.generation import sample_completions
-from grpo_lightning.rollout.logprobs import completion_logprobs
+from grpo_lightning.rollout.logprobs import completion_logprobs, token_positions
 
 SIZE = dict(
     vocab_size=40,
@@ -230,3 +232,62 @@ def test_lora_wrapped_models_use_their_own_forward():
     model = apply_lora(build("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     assert lean_unsupported(model) is not None
     assert lean_unsupported(model.get_base_model()) is not None  # its q/v projections are LoRA layers
+
+
+class _RecordOps(TorchDispatchMode):
+    """Records the name of every aten operator that runs inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+# Operators that read a tensor's values on the host: on a GPU each one waits for the device to catch up.
+HOST_READS = {"_local_scalar_dense", "nonzero", "is_nonzero", "_unique2", "unique_dim", "unique_consecutive"}
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "model-forward"])
+def test_the_update_forward_reads_nothing_on_the_host_with_its_precomputed_layout(lean):
+    """With the positions and prompt groups of the rollout (``RolloutBatch.tensors``), the update's forward and
+    backward run without a device sync, and give exactly what the pass that finds them itself gives."""
+    prompt_ids, prompt_mask, completion_ids, completion_mask = rollout()
+    order = torch.tensor([3, 0, 5, 1, 4, 2])  # rows out of group order
+    rows = (
+        prompt_ids.repeat_interleave(2, 0)[order],
+        prompt_mask.repeat_interleave(2, 0)[order],
+        completion_ids[order],
+        completion_mask[order],
+    )
+    layout = {"positions": token_positions(rows[3]), "groups": prompt_groups(rows[0], rows[1])}
+    results = []
+    for given in ({}, layout):
+        model = build("llama").train()
+        with _RecordOps() as recorder:
+            logprobs, entropy = completion_logprobs(model, *rows, with_entropy=True, lean=lean, **given)
+            (logprobs.sum() + entropy.sum()).backward()
+        results.append((logprobs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]))
+        if given and lean:
+            assert not recorder.ops & HOST_READS, recorder.ops & HOST_READS
+        if not given:
+            assert recorder.ops & HOST_READS  # the recorder does see them when the layout is found here
+    (lp, ent, grads), (lp_given, ent_given, grads_given) = results
+    torch.testing.assert_close(lp_given, lp, atol=0, rtol=0)
+    torch.testing.assert_close(ent_given, ent, atol=0, rtol=0)
+    for grad, grad_given in zip(grads, grads_given):
+        torch.testing.assert_close(grad_given, grad, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        completion_logprobs(model, *rows, micro_batch_size=2, **layout)
+
+
+def test_prompt_groups_map_every_row_to_a_row_with_its_prompt():
+    prompt_ids, prompt_mask, _, _ = rollout()
+    ids = prompt_ids.repeat_interleave(3, 0)[torch.randperm(9)]
+    mask = prompt_mask.repeat_interleave(3, 0)[torch.randperm(9, generator=torch.Generator().manual_seed(0))]
+    groups = prompt_groups(ids, mask)
+    assert groups.first.numel() == len({(tuple(i), tuple(m)) for i, m in zip(ids.tolist(), mask.tolist())})
+    assert torch.equal(ids[groups.first][groups.inverse], ids) and torch.equal(mask[groups.first][groups.inverse], mask)
+    assert groups.padded and not prompt_groups(ids, torch.ones_like(mask)).padded

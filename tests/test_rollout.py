@@ -10,6 +10,7 @@ from lightning import Callback
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.config import ConfigError
 from grpo_lightning.rewards import RewardSpec, register
+from grpo_lightning.rollout.batch import RolloutBatch
 
 
 @register("test_length")
@@ -142,3 +143,33 @@ def test_old_logprobs_from_the_sampler_equal_a_recomputed_pass(choice):
     module.objective = ObjectiveConfig(num_iterations=1, old_logprobs=choice)
     assert not module.old_logprobs_from_sampler()
     assert collect_rollout(module, lambda: {"prompt": ["5+5="]}).old_logprobs is None
+
+
+def test_micro_batches_carry_the_token_positions_and_prompt_groups_of_their_rows():
+    """What the update's forward would otherwise read from the masks (a device sync each time) comes with each
+    micro-batch: the completion tokens' flat positions and, per row, a row with the same prompt."""
+    torch.manual_seed(0)
+    prompts, group, length = 3, 4, 5
+    prompt_ids = torch.randint(3, 30, (prompts, 4)).repeat_interleave(group, 0)
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[group:, 0] = 0  # two of the prompts are padded
+    completion_mask = (torch.arange(length) < torch.randint(1, length + 1, (prompts * group, 1))).long()
+    batch = RolloutBatch(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=torch.randint(3, 30, (prompts * group, length)),
+        completion_mask=completion_mask,
+        truncated=torch.zeros(prompts * group, dtype=torch.bool),
+        rewards=torch.rand(prompts * group),
+        advantages=torch.randn(prompts * group),
+    )
+    micro = batch.micro_batches(
+        micro_batch_size=5, mini_batch_size=prompts * group, num_iterations=2, generator=torch.Generator()
+    )
+    assert len(micro) == 2 * 3
+    for mb in micro:
+        assert torch.equal(mb["token_positions"], mb["completion_mask"].flatten().nonzero().squeeze(1))
+        first, inverse = mb["prompt_first"], mb["prompt_inverse"]
+        assert torch.equal(mb["prompt_ids"][first][inverse], mb["prompt_ids"])
+        assert torch.equal(mb["prompt_mask"][first][inverse], mb["prompt_mask"])
+        assert mb["prompts_padded"] == (not bool(mb["prompt_mask"].all()))

@@ -243,8 +243,33 @@ def mask_positions(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def run_prompts(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-    """Prefill: hidden states ``[rows, P, H]`` of the prompts and each layer's keys and values."""
+class PromptGroups(NamedTuple):
+    """The distinct prompts among a batch's rows (the G rows of a group share one).
+
+    Finding them reads the tensors on the host (a device sync), so the update takes them precomputed with its
+    micro-batch (``RolloutBatch.tensors``), and its forward pass runs without a sync.
+    """
+
+    first: Tensor  # [K] one row of each distinct prompt
+    inverse: Tensor  # [N] each row's prompt, an index into ``first``
+    padded: bool  # whether any prompt has padding
+
+
+def prompt_groups(prompt_ids: Tensor, prompt_mask: Tensor) -> PromptGroups:
+    """Group the rows of left-padded prompts ``[N, P]`` by prompt (tokens and padding alike)."""
+    unique, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask.long()], dim=1), dim=0, return_inverse=True)
+    rows = torch.arange(inverse.numel(), device=inverse.device)
+    first = inverse.new_empty(unique.size(0)).scatter_(0, inverse, rows)  # any row of a group will do: all equal
+    return PromptGroups(first, inverse, not bool(prompt_mask.all()))
+
+
+def run_prompts(
+    model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, padded: bool | None = None
+) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """Prefill: hidden states ``[rows, P, H]`` of the prompts and each layer's keys and values.
+
+    ``padded``: whether any prompt has padding, when the caller knows (else read from ``prompt_mask``).
+    """
     keys: list[Tensor] = []
     values: list[Tensor] = []
 
@@ -253,22 +278,30 @@ def run_prompts(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor) -> tu
         values.append(v)
         return k, v
 
-    mask = CAUSAL if bool(prompt_mask.all()) else _prompt_mask_4d(prompt_mask)
+    if padded is None:
+        padded = not bool(prompt_mask.all())
+    mask = _prompt_mask_4d(prompt_mask) if padded else CAUSAL
     hidden = decoder_hidden(model, prompt_ids, mask_positions(prompt_mask), mask, collect)
     return hidden, keys, values
 
 
-def shared_prompt_hidden(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor) -> Tensor:
+def shared_prompt_hidden(
+    model: nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    groups: PromptGroups | None = None,
+) -> Tensor:
     """``[N, T, H]``: final-normed hidden states that predict each completion token, each distinct prompt run once.
 
     Rows with the same prompt (the G completions of a group) share one prompt pass: its keys and values are
     indexed out to every row of the group, whose completion tokens attend to them and, causally, to each other.
-    Under autograd the gradient of every row flows back into the one shared prompt pass.
+    Under autograd the gradient of every row flows back into the one shared prompt pass. ``groups``: the rows'
+    ``prompt_groups``, when the caller has them (else found here, with a device sync).
     """
     rows, length = completion_ids.shape
-    prompts, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask.long()], dim=1), dim=0, return_inverse=True)
-    prompts, masks = prompts[:, : prompt_ids.size(1)], prompts[:, prompt_ids.size(1) :]
-    prompt_hidden, keys, values = run_prompts(model, prompts, masks)
+    first, inverse, padded = groups if groups is not None else prompt_groups(prompt_ids, prompt_mask)
+    prompt_hidden, keys, values = run_prompts(model, prompt_ids[first], prompt_mask[first], padded)
     last = prompt_hidden[inverse, -1:]  # left padding: the last position is every prompt's last token
     if length == 1:
         return final_norm(model, last)

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from grpo_lightning.models.lean import prompt_groups
+from grpo_lightning.rollout.logprobs import token_positions
 
 
 @dataclass
@@ -68,19 +72,31 @@ class RolloutBatch:
                 out[f.name] = values[0]
         return RolloutBatch(**out)
 
-    def tensors(self, rows: Tensor) -> dict[str, Tensor]:
-        """The loss inputs of ``rows``, trimmed to their longest completion."""
+    def tensors(self, rows: Tensor) -> dict[str, Any]:
+        """The loss inputs of ``rows``, trimmed to their longest completion.
+
+        Also what the update's forward would otherwise read from the masks, with a device sync each time: the
+        completion tokens' flat positions (``token_positions``) and the rows' distinct prompts (``prompt_first``,
+        ``prompt_inverse``, ``prompts_padded``: ``grpo_lightning.models.lean.PromptGroups``). Found here, once per
+        rollout, they leave the update without host-device round trips.
+        """
         mask = self.completion_mask[rows]
         keep = int(mask.sum(0).nonzero().max()) + 1 if bool(mask.any()) else 1
         loss_mask = self.completion_mask if self.loss_mask is None else self.loss_mask
         advantages = self.advantages[rows]
+        prompt_ids, prompt_mask = self.prompt_ids[rows], self.prompt_mask[rows]
+        groups = prompt_groups(prompt_ids, prompt_mask)
         batch = {
-            "prompt_ids": self.prompt_ids[rows],
-            "prompt_mask": self.prompt_mask[rows],
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
             "completion_ids": self.completion_ids[rows, :keep],
             "completion_mask": mask[:, :keep],
             "loss_mask": loss_mask[rows, :keep],
             "advantages": advantages if advantages.dim() == 1 else advantages[:, :keep],
+            "token_positions": token_positions(mask[:, :keep]),
+            "prompt_first": groups.first,
+            "prompt_inverse": groups.inverse,
+            "prompts_padded": groups.padded,
         }
         if self.old_logprobs is not None:
             batch["old_logprobs"] = self.old_logprobs[rows, :keep]
@@ -96,7 +112,7 @@ class RolloutBatch:
         num_iterations: int,
         generator: torch.Generator,
         sum_across_ranks: Callable[[Tensor], Tensor] | None = None,
-    ) -> list[dict[str, Tensor]]:
+    ) -> list[dict[str, Any]]:
         """μ shuffled passes over the rollout, cut into mini-batches (one optimizer step each) of micro-batches.
 
         Each micro-batch carries ``num_items``: the loss tokens of its whole mini-batch, summed over ranks by

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from grpo_lightning.models.lean import lean_unsupported, mask_positions, shared_prompt_hidden
+from grpo_lightning.models.lean import PromptGroups, lean_unsupported, mask_positions, shared_prompt_hidden
 
 # Completion tokens whose full-vocabulary logits exist at once: 1024 × a 152k vocabulary in float32 is 0.6 GB,
 # whatever the batch size and completion length.
@@ -192,9 +192,15 @@ def _layer_logprobs(
     return _chunked(logits_of, hidden, labels, with_entropy, chunk_size)
 
 
+def token_positions(completion_mask: Tensor) -> Tensor:
+    """Flat indices of the completion tokens (``completion_mask`` ≠ 0) in ``[N, T]``, the positions whose log-probs
+    are computed. Reading the mask syncs with the device: the update takes them precomputed with its micro-batch."""
+    return completion_mask.flatten().nonzero().squeeze(1)
+
+
 @contextmanager
 def _logprobs_as_logits(
-    layer: nn.Module, labels: Tensor, mask: Tensor, *, temperature: float, with_entropy: bool, chunk_size: int
+    layer: nn.Module, labels: Tensor, positions: Tensor, *, temperature: float, with_entropy: bool, chunk_size: int
 ) -> Iterator[dict[str, bool]]:
     """While active, ``layer`` returns ``[B, T + 1, 1 or 2]`` log-probs (and entropies) instead of logits.
 
@@ -213,13 +219,15 @@ def _logprobs_as_logits(
 
     def logprobs_out(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor:
         states = hidden.pop()
-        rows, positions = labels.shape
-        picked = states[:, :positions][mask]  # real completion tokens only
-        stats = _layer_logprobs(module, picked, labels[mask], temperature, with_entropy, chunk_size)
-        out = stats.new_zeros(rows, positions + 1, stats.size(-1))
-        out[:, :positions][mask] = stats
+        rows, length = labels.shape
+        # The hidden states have one position more per row (T + 1): the same tokens' flat indices there.
+        at = positions + positions // length
+        picked = states.reshape(rows * (length + 1), -1).index_select(0, at)  # real completion tokens only
+        stats = _layer_logprobs(
+            module, picked, labels.flatten().index_select(0, positions), temperature, with_entropy, chunk_size
+        )
         state["fired"] = True
-        return out
+        return stats.new_zeros(rows * (length + 1), stats.size(-1)).index_copy(0, at, stats).view(rows, length + 1, -1)
 
     handles = [layer.register_forward_pre_hook(take_hidden), layer.register_forward_hook(logprobs_out)]
     try:
@@ -234,17 +242,19 @@ def _lean_logprobs(
     prompt_ids: Tensor,
     prompt_mask: Tensor,
     labels: Tensor,
-    mask: Tensor,
+    positions: Tensor,
     temperature: float,
     with_entropy: bool,
     chunk_size: int,
+    groups: PromptGroups | None,
 ) -> Tensor:
     """``[N, T, 1 or 2]`` from the lean forward: each distinct prompt runs once for its whole group."""
-    hidden = shared_prompt_hidden(model, prompt_ids, prompt_mask, labels)
-    stats = _layer_logprobs(model.lm_head, hidden[mask], labels[mask], temperature, with_entropy, chunk_size)
-    out = stats.new_zeros(*labels.shape, stats.size(-1))
-    out[mask] = stats
-    return out
+    hidden = shared_prompt_hidden(model, prompt_ids, prompt_mask, labels, groups)
+    picked = hidden.flatten(0, 1).index_select(0, positions)
+    stats = _layer_logprobs(
+        model.lm_head, picked, labels.flatten().index_select(0, positions), temperature, with_entropy, chunk_size
+    )
+    return stats.new_zeros(labels.numel(), stats.size(-1)).index_copy(0, positions, stats).view(*labels.shape, -1)
 
 
 def completion_logprobs(
@@ -259,6 +269,8 @@ def completion_logprobs(
     with_entropy: bool = False,
     chunk_size: int | None = DEFAULT_LOGPROB_CHUNK,
     lean: bool = True,
+    positions: Tensor | None = None,
+    groups: PromptGroups | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs ``[N, T]`` of the completion tokens (and entropies), in micro-batches of rows.
 
@@ -270,29 +282,36 @@ def completion_logprobs(
     length × vocabulary, and padding positions (``completion_mask == 0``) get 0. ``chunk_size=None`` keeps the
     plain path: the micro-batch's full logits from the model, then log-probs. With ``lean`` and a model that
     ``grpo_lightning.models.lean`` supports, rows sharing a prompt run it once (see ``shared_prompt_hidden``).
+
+    ``positions`` (``token_positions(completion_mask)``) and ``groups`` (``prompt_groups(prompt_ids,
+    prompt_mask)``), when given, are used instead of being found from the masks: with both, a pass makes no
+    device sync. They describe all rows, so they need a single micro-batch.
     """
     num_rows, completion_len = completion_ids.shape
     step = micro_batch_size or num_rows
+    if (positions is not None or groups is not None) and step < num_rows:
+        raise ValueError("completion_logprobs: precomputed positions/groups need micro_batch_size >= the rows")
     layer = output_layer(model) if chunk_size else None
     use_lean = lean and layer is not None and lean_unsupported(model) is None
     logprobs, entropies = [], []
     for start in range(0, num_rows, step):
         rows = slice(start, start + step)
+        labels = completion_ids[rows]
+        at = None  # flat indices of the completion tokens, for the chunked output layer
+        if layer is not None:
+            at = positions if positions is not None else token_positions(completion_mask[rows])
         if use_lean:
-            labels, mask = completion_ids[rows], completion_mask[rows].bool()
             stats = _lean_logprobs(
-                model, prompt_ids[rows], prompt_mask[rows], labels, mask, temperature, with_entropy, chunk_size
+                model, prompt_ids[rows], prompt_mask[rows], labels, at, temperature, with_entropy, chunk_size, groups
             )
             logprobs.append(stats[..., 0])
             entropies.append(stats[..., 1] if with_entropy else None)
             continue
         input_ids = torch.cat([prompt_ids[rows], completion_ids[rows]], dim=1)
         attention = torch.cat([prompt_mask[rows], completion_mask[rows]], dim=1)
-        positions = mask_positions(attention)
-        labels, mask = completion_ids[rows], completion_mask[rows].bool()
         hooks = (
             _logprobs_as_logits(
-                layer, labels, mask, temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size
+                layer, labels, at, temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size
             )
             if layer is not None
             else nullcontext({"fired": False})
@@ -302,7 +321,7 @@ def completion_logprobs(
             output = model(
                 input_ids=input_ids,
                 attention_mask=attention,
-                position_ids=positions,
+                position_ids=mask_positions(attention),
                 logits_to_keep=completion_len + 1,
                 use_cache=False,
             ).logits[:, :-1]
