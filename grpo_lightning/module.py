@@ -389,7 +389,7 @@ class GRPOModule(LightningModule):
             with_entropy=with_entropy,
             chunk_size=self.hparams.logprob_chunk_size,
             lean=self.hparams.lean_forward,
-            # Precomputed at rollout time (RolloutBatch.tensors), so this forward makes no device sync.
+            # Precomputed at rollout time (RolloutBatch.tensors): the lean forward then makes no device sync.
             positions=batch.get("token_positions"),
             groups=(
                 PromptGroups(batch["prompt_first"], batch["prompt_inverse"], batch["prompts_padded"])
@@ -476,6 +476,10 @@ class GRPOModule(LightningModule):
 
     def test_step(self, batch: dict[str, list[Any]], batch_idx: int) -> None:
         self.evaluator.evaluate(self, batch, "test", batch_idx)
+
+    def on_train_epoch_start(self) -> None:
+        # A fit stopped inside an accumulation window leaves that window's queued losses: not this round's.
+        self.nonfinite.clear_pending()
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Non-finite guard: a step whose loss or gradients hold a NaN/Inf leaves the weights as they are."""

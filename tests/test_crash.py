@@ -292,6 +292,11 @@ def test_the_guard_names_culprits_only_for_non_finite_losses_at_step_time():
     guard.check_later(torch.tensor(1.0), never)
     assert guard.should_skip(guard.check_pending([("w", grad)])) == ["gradients of w (the loss was finite)"]
     assert guard._pending == []
+    # A fit stopped inside an accumulation window: its queued NaN must not skip the next fit's first step.
+    guard.check_later(torch.tensor(float("nan")), lambda: [["advantages"]])
+    guard.clear_pending()
+    grad.grad = torch.ones(2)
+    assert guard.should_skip(guard.check_pending([("w", grad)])) == []
 
 
 def test_consecutive_non_finite_steps_stop_the_run_with_the_culprit(tmp_path):

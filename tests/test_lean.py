@@ -101,7 +101,8 @@ def test_shared_prompt_pass_gives_the_model_logits(name, padded):
 @pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_decoding_steps_give_the_model_logits(name, pack, padded):
-    """Prefill + decoding steps; ``packed``: every weight pre-packed for oneDNN (large weights only, by default)."""
+    """Prefill + decoding steps; ``packed``: every decoder-layer weight pre-packed for oneDNN (by default only
+    large ones are)."""
     model = build(name)
     prompt_ids, prompt_mask, completion_ids, _ = rollout(padded=padded)
     packer = cpu_weight_packer(rows=6, min_elements=1)
@@ -291,3 +292,21 @@ def test_prompt_groups_map_every_row_to_a_row_with_its_prompt():
     assert groups.first.numel() == len({(tuple(i), tuple(m)) for i, m in zip(ids.tolist(), mask.tolist())})
     assert torch.equal(ids[groups.first][groups.inverse], ids) and torch.equal(mask[groups.first][groups.inverse], mask)
     assert groups.padded and not prompt_groups(ids, torch.ones_like(mask)).padded
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "model-forward"])
+def test_chunked_logprobs_of_ragged_completions_match_the_full_logits(lean):
+    """Several completion lengths (one empty): the chunked paths, which pick the real tokens by flat index (the
+    model-forward one among T + 1 strided positions per row), against log-softmax of the model's full logits."""
+    prompt_ids, prompt_mask, completion_ids, _ = rollout()
+    rows = (prompt_ids.repeat_interleave(2, 0), prompt_mask.repeat_interleave(2, 0), completion_ids)
+    lengths = torch.tensor([6, 1, 0, 4, 5, 2])
+    mask = (torch.arange(6)[None, :] < lengths[:, None]).long()
+    model = build("qwen2")
+    with torch.no_grad():
+        full, _ = completion_logprobs(model, *rows, mask, chunk_size=None, lean=False, temperature=0.8)
+        full = full * mask
+        for given in ({}, {"positions": token_positions(mask), "groups": prompt_groups(rows[0], rows[1])}):
+            chunked, _ = completion_logprobs(model, *rows, mask, chunk_size=3, lean=lean, temperature=0.8, **given)
+            torch.testing.assert_close(chunked, full, atol=1e-5, rtol=1e-5)
+            assert (chunked[mask == 0] == 0).all()

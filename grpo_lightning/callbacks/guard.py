@@ -2,9 +2,10 @@
 
 ``GRPOModule.training_step`` queues each micro-batch's loss (:meth:`NonFiniteGuard.check_later`); before each
 optimizer step :class:`NonFiniteGuard` checks those losses and the gradients together, with one device sync per
-step (none per micro-batch), names what was non-finite (:func:`nonfinite_inputs`, :func:`nonfinite_terms`), and
-when anything was drops the gradients (the optimizer then leaves every weight, and its own state, as they
-were), logs the round and the culprit, and stops the run after ``max_skips`` such steps in a row.
+step (none per micro-batch; plus the ranks' agreement under data parallelism), names what was non-finite
+(:func:`nonfinite_inputs`, :func:`nonfinite_terms`), and when anything was drops the gradients (the optimizer
+then leaves every weight, and its own state, as they were), logs the round and the culprit, and stops the run
+after ``max_skips`` such steps in a row.
 """
 
 from __future__ import annotations
@@ -94,6 +95,10 @@ class NonFiniteGuard:
         one is kept.
         """
         self._pending.append((torch.isfinite(loss.detach()).all(), find_culprits))
+
+    def clear_pending(self) -> None:
+        """Forget the losses and culprits queued for a step that will not come (a fit stopped mid-window)."""
+        self._pending, self._culprits = [], []
 
     def check_pending(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]]) -> list[str]:
         """Checks the queued losses and the gradients (one device sync for all); records the micro-batches'

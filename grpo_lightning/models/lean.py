@@ -332,6 +332,10 @@ def cpu_weight_packer(rows: int, min_elements: int = PACK_MIN_ELEMENTS) -> Calla
     """
     if not torch.backends.mkldnn.is_available():
         return None
+    try:
+        torch.ops.mkldnn._linear_pointwise  # noqa: B018 (the product ``_linear`` computes on packed weights)
+    except (AttributeError, RuntimeError):
+        return None
 
     def pack(weight: Tensor) -> Tensor | None:
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.numel() < min_elements:

@@ -77,8 +77,9 @@ class RolloutBatch:
 
         Also what the update's forward would otherwise read from the masks, with a device sync each time: the
         completion tokens' flat positions (``token_positions``) and the rows' distinct prompts (``prompt_first``,
-        ``prompt_inverse``, ``prompts_padded``: ``grpo_lightning.models.lean.PromptGroups``). Found here, once per
-        rollout, they leave the update without host-device round trips.
+        ``prompt_inverse``, ``prompts_padded``: ``grpo_lightning.models.lean.PromptGroups``). Found here, at rollout
+        time, for every micro-batch of the μ passes, they leave the update's lean forward without host-device
+        round trips.
         """
         mask = self.completion_mask[rows]
         keep = int(mask.sum(0).nonzero().max()) + 1 if bool(mask.any()) else 1

@@ -220,9 +220,11 @@ def _logprobs_as_logits(
     def logprobs_out(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor:
         states = hidden.pop()
         rows, length = labels.shape
-        # The hidden states have one position more per row (T + 1): the same tokens' flat indices there.
-        at = positions + positions // length
-        picked = states.reshape(rows * (length + 1), -1).index_select(0, at)  # real completion tokens only
+        # Real completion tokens only, by (row, column): the states may be a strided slice of a larger tensor,
+        # which flattening would copy whole.
+        row = positions // length
+        picked = states[row, positions - row * length]
+        at = positions + row  # the same tokens' flat indices among the states' T + 1 positions per row
         stats = _layer_logprobs(
             module, picked, labels.flatten().index_select(0, positions), temperature, with_entropy, chunk_size
         )
@@ -284,8 +286,9 @@ def completion_logprobs(
     ``grpo_lightning.models.lean`` supports, rows sharing a prompt run it once (see ``shared_prompt_hidden``).
 
     ``positions`` (``token_positions(completion_mask)``) and ``groups`` (``prompt_groups(prompt_ids,
-    prompt_mask)``), when given, are used instead of being found from the masks: with both, a pass makes no
-    device sync. They describe all rows, so they need a single micro-batch.
+    prompt_mask)``), when given, are used instead of being found from the masks: with both, a lean pass makes no
+    device sync (the model's own forward may still read its masks). They describe all rows, so they need a
+    single micro-batch.
     """
     num_rows, completion_len = completion_ids.shape
     step = micro_batch_size or num_rows
