@@ -16,7 +16,7 @@ import torch
 from lightning import LightningModule
 from torch import Tensor
 from torchmetrics import Metric
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel
 
 from grpo_lightning import rewards as reward_registry
 from grpo_lightning.callbacks.checkpointing import module_checkpoint_state, restore_module_checkpoint
@@ -25,8 +25,9 @@ from grpo_lightning.config import ConfigError, ObjectiveConfig, SamplingConfig
 from grpo_lightning.evaluation import HeldOutEvaluator
 from grpo_lightning.lora import LoraConfig, apply_lora, is_peft_model
 from grpo_lightning.loss import grpo_loss
+from grpo_lightning.models.build import enable_activation_checkpointing, load_model, load_tokenizer
 from grpo_lightning.models.lean import PromptGroups
-from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
+from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.rewards import RewardSpec
 from grpo_lightning.rewards.combine import is_process_reward, score_steps, step_separator
 from grpo_lightning.rollout.batch import RolloutBatch
@@ -39,7 +40,6 @@ from grpo_lightning.rollout.generation import (
 )
 from grpo_lightning.rollout.steps import step_token_ends
 from grpo_lightning.strategies import broadcast_module, gathered, shard_model
-from grpo_lightning.validation import fix_special_tokens, model_eos_token_id
 
 _LOSS_OPTIONS = ("epsilon_low", "epsilon_high", "delta", "beta", "kl_estimator", "importance_sampling_level")
 
@@ -141,7 +141,7 @@ class GRPOModule(LightningModule):
             raise ConfigError(
                 f"model.accuracy_reward {accuracy_reward!r} is not an outcome reward of model.rewards: {names}"
             )
-        self.tokenizer = self._load_tokenizer()
+        self.tokenizer = load_tokenizer(self.hparams.model_name_or_path)
         self.policy: PreTrainedModel | None = None
         self.ref: PreTrainedModel | None = None
         self.generator: torch.Generator | None = None
@@ -150,15 +150,6 @@ class GRPOModule(LightningModule):
         self.evaluator = HeldOutEvaluator(eval_num_samples, eval_temperature, eval_pass_k, eval_answer_fn)
 
     # ----------------------------------------------------------------------------------------- models
-    def _load_tokenizer(self) -> PreTrainedTokenizerBase:
-        if self.hparams.model_name_or_path is None:
-            return build_char_tokenizer()
-        tokenizer = AutoTokenizer.from_pretrained(self.hparams.model_name_or_path)
-        tokenizer.padding_side = "left"  # generation appends to the right end of every prompt
-        name = self.hparams.model_name_or_path
-        # A missing eos comes from the model config, a missing pad is eos (masked out everywhere); with a warning.
-        return fix_special_tokens(tokenizer, name, model_eos_token_id(name) if tokenizer.eos_token is None else None)
-
     def configure_model(self) -> None:
         """Build the policy and its reference model, then apply gradient checkpointing, LoRA and sharding.
 
@@ -170,7 +161,7 @@ class GRPOModule(LightningModule):
             return
         trainer, mesh = self._trainer, self.device_mesh
         zero3 = bool(getattr(trainer.strategy, "zero_stage_3", False)) if trainer is not None else False
-        self.policy = self._build_policy()
+        self.policy = load_model(self.hparams.model_name_or_path, self.tiny_model, self.tokenizer)
         if mesh is not None and self.hparams.model_name_or_path is None:
             broadcast_module(self.policy)  # random weights: every rank must shard the same model
         if self.objective.beta > 0 and self.lora is None:
@@ -178,17 +169,14 @@ class GRPOModule(LightningModule):
             # deep-copied: the reference is loaded a second time instead.
             if zero3 and self.hparams.model_name_or_path is None:
                 raise ConfigError("DeepSpeed ZeRO-3 with model.objective.beta > 0 needs model.model_name_or_path")
-            self.ref = self._build_policy() if zero3 else copy.deepcopy(self.policy)
+            self.ref = (
+                load_model(self.hparams.model_name_or_path, self.tiny_model, self.tokenizer)
+                if zero3
+                else copy.deepcopy(self.policy)
+            )
             self.ref.eval().requires_grad_(False)
         if self.hparams.gradient_checkpointing:
-            # Non-reentrant checkpointing needs no input that requires grad (frozen embeddings under LoRA). The
-            # cache is off for training forwards; generation asks for its own cache explicitly.
-            enable = getattr(self.policy, "activation_checkpointing_enable", None)  # transformers >= 5 name
-            if enable is not None:
-                enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            self.policy.config.use_cache = False
+            enable_activation_checkpointing(self.policy)
         if self.lora is not None:
             self.policy = apply_lora(self.policy, self.lora)
             if mesh is not None:
@@ -204,17 +192,6 @@ class GRPOModule(LightningModule):
             shard_model(self.policy, mesh, mp_policy=mp_policy)
             if self.ref is not None:
                 shard_model(self.ref, mesh, mp_policy=mp_policy)
-
-    def _build_policy(self) -> PreTrainedModel:
-        # The default dtype is the Trainer's: bfloat16 inside configure_model under precision="bf16-true".
-        if self.hparams.model_name_or_path is None:
-            model = build_tiny_llama(self.tiny_model, self.tokenizer)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(
-                self.hparams.model_name_or_path, dtype=torch.get_default_dtype()
-            )
-        model.generation_config.pad_token_id = self.tokenizer.pad_token_id
-        return model
 
     @contextmanager
     def reference_model(self) -> Iterator[PreTrainedModel | None]:
