@@ -263,6 +263,21 @@ def run_trl(settings: Settings, folder: Path) -> dict[str, float]:
     return summarize(stamps, settings)
 
 
+def environment() -> str:
+    """The versions that matter, and whether matplotlib/scipy are installed: Lightning imports torchmetrics, which
+    imports them when present (about 100 MiB in our process, none in TRL's), so peak memory depends on them."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "absent"
+
+    names = ("torch", "transformers", "lightning", "trl", "matplotlib", "scipy")
+    return "environment: " + ", ".join(f"{name} {installed(name)}" for name in names)
+
+
 def child(framework: str, settings: Settings, folder: Path) -> None:
     """One measured run in this process; prints its result as the last line of stdout (JSON)."""
     result = (run_ours if framework == "ours" else run_trl)(settings, folder)
@@ -351,7 +366,8 @@ def main() -> None:
             trl, ours = med["trl"]["peak_gpu_mb"], med["ours"]["peak_gpu_mb"]
             print(f"settings {name}: peak GPU memory TRL {trl:.0f} MiB, ours {ours:.0f} MiB")
     print(f"\n(median of {args.runs} runs each; threads per run: {threads}; ", end="")
-    print(f"1-minute load average before the runs: {min(loads):.2f} to {max(loads):.2f} on {os.cpu_count()} CPUs)\n")
+    print(f"1-minute load average before the runs: {min(loads):.2f} to {max(loads):.2f} on {os.cpu_count()} CPUs)")
+    print(environment() + "\n")
     for name, _, _, med in rows:
         ratio = med["ours"]["s_per_step"] / med["trl"]["s_per_step"]
         memory = "peak_gpu_mb" if DEVICE == "cuda" else "peak_rss_mb"  # on a GPU, the memory that limits a run
