@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
 import inspect
 import os
 import re
@@ -18,6 +19,7 @@ from typing import Any
 
 from lightning import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from grpo_lightning.callbacks.guard import NonFiniteError
 from grpo_lightning.callbacks.wandb_logger import LoggerSaveConfigCallback
@@ -27,7 +29,7 @@ from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.rewards import RewardError, RewardSpec
 from grpo_lightning.rollout.datamodule import RolloutDataModule
-from grpo_lightning.validation import check_checkpoint_hparams, read_checkpoint_hparams
+from grpo_lightning.validation import check_checkpoint_hparams, check_setting_ranges, read_checkpoint_hparams
 
 # The settings a GRPO run needs from the Trainer: a fresh rollout every epoch, and no DistributedSampler
 # re-splitting a rollout that each rank already built for itself.
@@ -91,6 +93,23 @@ class GRPOCLI(LightningCLI):
         current = current.get("init_args", current)  # class_path form, with subclass mode
         check_checkpoint_hparams(saved, current, repr(str(ckpt_path)))
 
+    def before_instantiate_classes(self) -> None:
+        """Checkpoint and log folders that the config leaves unset go under ``trainer.default_root_dir``; numeric
+        settings out of range are refused before anything is built (``validation.SETTING_RANGES``)."""
+        config = self.config.get(str(self.subcommand), self.config)
+        check_setting_ranges(config)
+        place_run_folders(config.get("trainer"))
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """The Trainer; a setting that Lightning refuses (``devices=0``, ``strategy='bogus'``, ...) as one line."""
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except (MisconfigurationException, ValueError, TypeError) as err:
+            if user_error(err) is not None:
+                raise
+            config = self.config.get(str(self.subcommand), self.config)
+            raise trainer_error(err, config.get("trainer")) from err
+
     def before_fit(self) -> None:
         """GRPO's own Trainer requirement, checked before anything is built."""
         reload = self.trainer.reload_dataloaders_every_n_epochs
@@ -99,6 +118,64 @@ class GRPOCLI(LightningCLI):
                 f"trainer.reload_dataloaders_every_n_epochs must be 1 for GRPO (got {reload}): each epoch is one "
                 "rollout round"
             )
+
+
+def _class_of(item: Any) -> type | None:
+    """The class a ``{class_path, init_args}`` entry of the parsed config names (None when it names none)."""
+    path = item.get("class_path") if hasattr(item, "get") else None
+    if not isinstance(path, str) or "." not in path:
+        return None
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):  # reported when the class is instantiated
+        return None
+
+
+def place_run_folders(trainer: Any) -> None:
+    """Under ``trainer.default_root_dir`` (when set), the folders of a run that its config leaves unset.
+
+    A checkpoint callback (``ModelCheckpoint``, ``RoundCheckpoint``) without ``dirpath`` writes to
+    ``<default_root_dir>/checkpoints``; a logger whose ``save_dir`` is unset or ``.`` (W&B's default) writes under
+    ``<default_root_dir>``. ``--trainer.default_root_dir runs/a`` then moves everything a run writes, so two runs
+    of one config are told apart on the command line. Folders the config sets explicitly stay as they are.
+    ``trainer``: the parsed config's ``trainer`` section (changed in place).
+    """
+    root = trainer.get("default_root_dir") if trainer is not None else None
+    if not root:
+        return
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callbacks, loggers = trainer.get("callbacks") or [], trainer.get("logger")
+    for item in callbacks if isinstance(callbacks, list) else [callbacks]:
+        cls, init_args = _class_of(item), item.get("init_args") if hasattr(item, "get") else None
+        if cls is not None and issubclass(cls, ModelCheckpoint) and init_args is not None:
+            if init_args.get("dirpath") is None:
+                init_args["dirpath"] = os.path.join(str(root), "checkpoints")
+    for item in loggers if isinstance(loggers, list) else [loggers]:
+        init_args = item.get("init_args") if _class_of(item) is not None else None
+        if init_args is not None and "save_dir" in init_args and init_args.get("save_dir") in (None, "."):
+            init_args["save_dir"] = str(root)
+
+
+def trainer_error(err: BaseException, settings: Any) -> ConfigError:
+    """Lightning's refusal of a Trainer setting, as a ``ConfigError`` whose one line names the setting.
+
+    The setting is the first Trainer argument the message names (``devices``, ``strategy``, ...), else the one
+    whose value it quotes (``accelerator: gpu`` -> "No supported gpu backend found!").
+    """
+    message = " ".join(str(err).split()) or type(err).__name__
+    names = [n for n in inspect.signature(Trainer.__init__).parameters if n not in ("self", "args", "kwargs")]
+    found = sorted((m.start(), n) for n in names if (m := re.search(rf"\b{n}\b", message)))
+    if not found and settings is not None:
+        values = {n: settings.get(n) if hasattr(settings, "get") else getattr(settings, n, None) for n in names}
+        found = sorted(
+            (m.start(), n)
+            for n, v in values.items()
+            if isinstance(v, str) and v and (m := re.search(rf"(?<![\w-]){re.escape(v)}(?![\w-])", message))
+        )
+    where = f"trainer.{found[0][1]}" if found else "trainer"
+    return ConfigError(f"{where}: {message}")
 
 
 def user_error(err: BaseException) -> BaseException | None:
@@ -149,6 +226,16 @@ def parse_error_line(message: str) -> str:
     problem = re.search(r"Problem with given class_path '([^']+)':\s*(.+?)(?:\s+- |\s+Given value|$)", text)
     if key and problem:
         return f"{key}: {problem.group(1)}: {problem.group(2)}"
+    # A value none of a Union of fixed choices accepts (trainer.precision: 17): list the choices.
+    subtypes = re.search(r"Subtypes: \[(.*)\] Errors:", text)
+    given = re.search(r"Given value: (.*?)$", text)
+    if key and subtypes and given:
+        literals = re.findall(r"typing\.Literal\[([^\]]*)\]", subtypes.group(1))
+        rest = re.sub(r"typing\.Literal\[[^\]]*\]|<class 'NoneType'>|[,\s]", "", subtypes.group(1))
+        if literals and not rest:
+            choices = [c.strip() for inner in literals for c in inner.split(",")]
+            choices += ["null"] if "NoneType" in subtypes.group(1) else []
+            return f"{key}: got {given.group(1).strip()!r}; expected one of {', '.join(dict.fromkeys(choices))}"
     detail = next((line for line in rest if line and not line.startswith(("-", "Subtypes", "Errors"))), text)
     line = f"{key}: {detail}" if key else detail
     return line if len(line) <= 300 else line[:297] + "..."

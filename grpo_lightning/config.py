@@ -69,15 +69,19 @@ class ObjectiveConfig:
     loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = "grpo"
     importance_sampling_level: Literal["token", "sequence"] = "token"
     num_iterations: int = 1
-    """μ: optimisation passes over each rollout. Old log-probs are needed only when μ > 1."""
+    """μ: optimisation passes over each rollout. Each pass takes ``rollout / data.mini_batch_size`` optimizer
+    steps; π_old's log-probs are recorded whenever a round has more than one step in all."""
     old_logprobs: Literal["auto", "sampler", "recompute"] = "auto"
-    """Where π_old's log-probs come from when μ > 1: ``sampler`` keeps those the sampling loop computed anyway
-    (no extra forward pass); ``recompute`` runs a forward pass over the rollout. ``auto``: ``sampler`` when the
-    policy computes in float32, where the two agree to ~1e-6, and ``recompute`` in lower precision, where a
-    decoding step and a full-sequence pass round differently."""
+    """Where π_old's log-probs come from when a round has several optimizer steps: ``sampler`` keeps those the
+    sampling loop computed anyway (no extra forward pass); ``recompute`` runs a forward pass over the rollout.
+    ``auto``: ``sampler`` when the policy computes in float32, where the two agree to ~1e-6, and ``recompute`` in
+    lower precision, where a decoding step and a full-sequence pass round differently."""
     advantage_baseline: Literal["mean", "rloo"] = "mean"
     advantage_scale: Literal["group", "batch", "none"] = "group"
     advantage_eps: float = 1e-4
+    advantage_std: Literal["population", "sample"] = "population"
+    """The std that scales advantages: ``population`` (variance ÷ G) or ``sample`` (÷ G - 1, Bessel's
+    correction, as TRL and verl compute it); at G = 4 the sample std is √(4/3) ≈ 1.155× the population one."""
     entropy_coef: float = 0.0
     mask_truncated_completions: bool = False
     """Exclude completions that hit max_new_tokens from the loss (DAPO's overlong filtering)."""
@@ -96,6 +100,10 @@ class ObjectiveConfig:
         if self.old_logprobs not in ("auto", "sampler", "recompute"):
             raise ConfigError(
                 f"model.objective.old_logprobs must be auto, sampler or recompute (got {self.old_logprobs!r})"
+            )
+        if self.advantage_std not in ("population", "sample"):
+            raise ConfigError(
+                f"model.objective.advantage_std must be population or sample (got {self.advantage_std!r})"
             )
         if self.advantage_eps <= 0:
             raise ConfigError(f"model.objective.advantage_eps must be > 0 (got {self.advantage_eps})")

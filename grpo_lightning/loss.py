@@ -4,7 +4,8 @@ Notation: a batch holds ``B`` completions, ``G`` per prompt, stored group by gro
 completion length and ``mask`` marks real completion tokens. Each function maps to:
 
 ``group_advantages`` -- outcome supervision, DeepSeekMath §4.1.2:
-    A_i = (r_i - mean(r)) / (std(r) + eps), mean/std over the G rewards of i's group (population std).
+    A_i = (r_i - mean(r)) / (std(r) + eps), mean/std over the G rewards of i's group; ``std="population"``
+    divides the variance by G, ``std="sample"`` by G - 1 (Bessel's correction, as TRL and verl compute it).
     Variants: baseline "rloo" uses mean of the other G-1 rewards (RLOO, Ahmadian et al. 2024); scale "batch"
     uses the std of all rewards of the batch; scale "none" drops the std (Dr. GRPO, Liu et al. 2025).
 
@@ -16,14 +17,21 @@ completion length and ``mask`` marks real completion tokens. Each function maps 
     L_{i,t} = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) + beta * KL_{i,t} - c * H_{i,t}
     rho_{i,t} = pi(y_t) / pi_old(y_t)                              (token level)
     rho_i     = exp(mean_t log(pi(y_t) / pi_old(y_t)))             (sequence level, GSPO, Zheng et al. 2025)
+    Sequence level is computed in the GSPO-token form rho_{i,t} = sg[rho_i] * pi(y_t) / sg[pi(y_t)]: the same
+    value and, with one advantage per completion, the same gradient as GSPO; with per-token (process)
+    advantages it is GSPO-token (Zheng et al. 2025, §4.3), where each token's gradient carries its own A_{i,t}.
     eps_high != eps_low is DAPO's "clip-higher"; rho <- min(rho, delta) in the unclipped branch is the
     two-sided clipping of INTELLECT-2. KL estimators with d = log pi_ref - log pi (Schulman, "Approximating
     KL divergence"; k3 is DeepSeekMath's): k1 = -d, k2 = d^2 / 2, k3 = exp(d) - d - 1.
     Aggregation of L_{i,t} over tokens:
-      "grpo"    (1/|rows|) sum_i (1/|o_i|) sum_t L_{i,t}          (DeepSeekMath; empty rows skipped)
+      "grpo"    (1/B) sum_i (1/|o_i|) sum_t L_{i,t}               (DeepSeekMath; an empty row counts as 0)
       "dapo"    (1/num_items) sum_{i,t} L_{i,t}                   (DAPO §3.3, token-level loss)
       "dr_grpo" (1/(B * max_completion_length)) sum_{i,t} L_{i,t} (Dr. GRPO, constant normaliser)
       "bnpo"    (1/sum_i |o_i|) sum_{i,t} L_{i,t}                 (token mean within this call)
+    "grpo", "dapo" and "dr_grpo" give an optimizer step the same gradient however its mini-batch is split into
+    equal micro-batches and ranks ("grpo" and "dr_grpo" because their normaliser is proportional to the rows of
+    the call; "dapo" through ``num_items``). "bnpo" normalises by the tokens of each call, so by definition its
+    step depends on the micro-batch size (a micro-batch of the whole mini-batch makes it "dapo").
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ _BASELINES = ("mean", "rloo")
 _LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
 _KL_ESTIMATORS = ("k1", "k2", "k3")
 _IS_LEVELS = ("token", "sequence")
+_STDS = ("population", "sample")
 
 
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -60,6 +69,7 @@ def group_advantages(
     baseline: str = "mean",
     eps: float = 1e-4,
     batch_std: Tensor | None = None,
+    std: str = "population",
 ) -> Tensor:
     """Outcome-reward advantages, one per completion.
 
@@ -71,12 +81,14 @@ def group_advantages(
         eps: added to the std before dividing.
         batch_std: with ``scale="batch"``, a std computed by the caller (e.g. across ranks) that replaces
             the local one.
+        std: ``"population"`` (divide the variance by the count) or ``"sample"`` (by the count - 1).
 
     Returns:
         ``[N]`` advantages; every group whose rewards are all equal gets exactly 0.
     """
     _check_choice("scale", scale, _SCALES)
     _check_choice("baseline", baseline, _BASELINES)
+    _check_choice("std", std, _STDS)
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
     _check_groups(rewards.numel(), group_size)
@@ -92,11 +104,11 @@ def group_advantages(
         # Mean of the others: (sum - r_i) / (G - 1), which simplifies to G/(G-1) * (r_i - mean).
         adv = (groups - mean) * (group_size / (group_size - 1))
 
+    unbiased = std == "sample"
     if scale == "group":
-        adv = adv / (groups.std(dim=1, unbiased=False, keepdim=True) + eps)
+        adv = adv / (groups.std(dim=1, unbiased=unbiased, keepdim=True) + eps)
     elif scale == "batch":
-        std = batch_std if batch_std is not None else r.std(unbiased=False)
-        adv = adv / (std + eps)
+        adv = adv / ((batch_std if batch_std is not None else r.std(unbiased=unbiased)) + eps)
 
     # r_i - mean can be off by one ulp when all rewards are equal; force the documented exact zero.
     same = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
@@ -110,6 +122,7 @@ def process_advantages(
     group_size: int,
     *,
     eps: float = 1e-4,
+    std: str = "population",
 ) -> Tensor:
     """Per-token advantages from per-step (process) rewards.
 
@@ -123,6 +136,7 @@ def process_advantages(
         mask: ``[B, T]`` completion mask (bool or 0/1).
         group_size: completions per prompt ``G``; rows are ordered group by group.
         eps: added to the group std before dividing.
+        std: ``"population"`` or ``"sample"`` std of the group's step rewards (see ``group_advantages``).
 
     Returns:
         ``[B, T]`` advantages: for token ``t``, the sum of the normalised rewards of the steps ending at or
@@ -136,6 +150,7 @@ def process_advantages(
     if mask.dim() != 2 or mask.shape[0] != step_rewards.shape[0]:
         raise ValueError(f"mask must be [B, T] with B={step_rewards.shape[0]}, got {tuple(mask.shape)}")
     _check_groups(step_rewards.shape[0], group_size)
+    _check_choice("std", std, _STDS)
 
     B, S = step_rewards.shape
     # Pool every valid step of a group into one row: [B, S] -> [groups, G * S].
@@ -144,7 +159,8 @@ def process_advantages(
     zero = torch.zeros_like(r)
     count = valid.sum(dim=1, keepdim=True).clamp(min=1)
     mean = torch.where(valid, r, zero).sum(dim=1, keepdim=True) / count
-    var = torch.where(valid, (r - mean) ** 2, zero).sum(dim=1, keepdim=True) / count  # population variance
+    dof = count if std == "population" else (count - 1).clamp(min=1)
+    var = torch.where(valid, (r - mean) ** 2, zero).sum(dim=1, keepdim=True) / dof
     normed = (r - mean) / (var.sqrt() + eps)
     # Equal rewards would give tiny rounding residues instead of 0; zero them explicitly (and NaN padding).
     hi = torch.where(valid, r, -torch.inf).amax(dim=1, keepdim=True)
@@ -172,11 +188,12 @@ def _aggregate(
     per_token: Tensor, mask: Tensor, loss_type: str, num_items: int | float | Tensor | None, max_len: int | None
 ) -> Tensor:
     if loss_type == "grpo":
-        row_tokens = mask.sum(dim=1)
-        row_loss = _masked_sum(per_token, mask, dim=1) / row_tokens.clamp(min=1)
-        # Empty rows are skipped (not counted as 0): a row that is all padding carries no data, and counting
-        # it would make the loss depend on how rows are packed into micro-batches.
-        return row_loss.sum() / (row_tokens > 0).sum().clamp(min=1)
+        row_loss = _masked_sum(per_token, mask, dim=1) / mask.sum(dim=1).clamp(min=1)
+        # An empty row (all of its tokens masked out, e.g. a truncated completion under
+        # mask_truncated_completions) counts as 0 in the mean: dividing by the rows of the call, not by the
+        # non-empty ones, keeps the step's gradient independent of how its rows are cut into micro-batches
+        # (which the trainer averages) and ranks (which DDP averages).
+        return row_loss.sum() / max(mask.shape[0], 1)
     total = _masked_sum(per_token, mask)
     if loss_type == "dapo":
         # num_items is the token count of the whole rollout mini-batch (all micro-batches and ranks), so that
@@ -259,9 +276,11 @@ def grpo_loss(
         old_logprobs = logprobs.detach()
     log_ratio = torch.where(mask, logprobs - old_logprobs, zero)
     if importance_sampling_level == "sequence":
-        # GSPO: length-normalised sequence likelihood ratio, shared by every token of the sequence.
-        seq_log_ratio = log_ratio.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
-        log_ratio = seq_log_ratio.unsqueeze(1).expand_as(logprobs)
+        # GSPO-token: the value of the length-normalised sequence ratio s_i on every token, the gradient of
+        # each token's own log-prob (sg[s_i] * pi / sg[pi]). With one advantage per completion this is GSPO's
+        # gradient exactly; with per-token advantages each token keeps its own.
+        seq_log_ratio = (log_ratio.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).detach()
+        log_ratio = torch.where(mask, seq_log_ratio.unsqueeze(1) + logprobs - logprobs.detach(), zero)
     ratio = torch.exp(log_ratio)
 
     eps_high = epsilon_low if epsilon_high is None else epsilon_high

@@ -91,7 +91,7 @@ def update_peak_bytes(
             truncated=torch.zeros(rows, dtype=torch.bool),
             rewards=torch.randn(rows, generator=generator),
         )
-        _, ref = module.rollout_logprobs(batch)
+        _, ref = module.rollout_logprobs(batch, record_old=False)
         inputs = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
         logprobs, _ = completion_logprobs(module.policy, *inputs, chunk_size=chunk_size)
         loss, _ = grpo_loss(logprobs, None, ref, batch.rewards, batch.completion_mask, beta=module.objective.beta)

@@ -25,7 +25,7 @@ from grpo_lightning.config import ConfigError, ObjectiveConfig, SamplingConfig
 from grpo_lightning.evaluation import HeldOutEvaluator
 from grpo_lightning.lora import LoraConfig, apply_lora, is_peft_model
 from grpo_lightning.loss import grpo_loss
-from grpo_lightning.models.build import enable_activation_checkpointing, load_model, load_tokenizer
+from grpo_lightning.models.build import disable_dropout, enable_activation_checkpointing, load_model, load_tokenizer
 from grpo_lightning.models.lean import PromptGroups
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.rewards import RewardSpec
@@ -73,6 +73,7 @@ class GRPOModule(LightningModule):
         logprob_chunk_size: int | None = DEFAULT_LOGPROB_CHUNK,
         max_nonfinite_skips: int = 3,
         lean_forward: bool = True,
+        disable_dropout: bool = True,
     ) -> None:
         """
         Args:
@@ -113,6 +114,9 @@ class GRPOModule(LightningModule):
             lean_forward: run sampling and log-prob passes on ``grpo_lightning.models.lean`` (Llama, Qwen2,
                 Qwen3 and Mistral, unsharded, without LoRA): same arithmetic as the model's forward with less
                 Python, and each group's prompt computed once. Other models always use their own forward.
+            disable_dropout: set every dropout probability of the policy and the reference to 0 (as TRL does):
+                the completions are sampled without dropout, so an update with dropout on would compare a noisy
+                π_θ with π_old and the ratio would be off 1 from the first step. ``false`` keeps the model's own.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -162,6 +166,8 @@ class GRPOModule(LightningModule):
         trainer, mesh = self._trainer, self.device_mesh
         zero3 = bool(getattr(trainer.strategy, "zero_stage_3", False)) if trainer is not None else False
         self.policy = load_model(self.hparams.model_name_or_path, self.tiny_model, self.tokenizer)
+        if self.hparams.disable_dropout:
+            disable_dropout(self.policy)  # before the reference is copied from it: both without dropout
         if mesh is not None and self.hparams.model_name_or_path is None:
             broadcast_module(self.policy)  # random weights: every rank must shard the same model
         if self.objective.beta > 0 and self.lora is None:
@@ -174,6 +180,8 @@ class GRPOModule(LightningModule):
                 if zero3
                 else copy.deepcopy(self.policy)
             )
+            if self.hparams.disable_dropout:
+                disable_dropout(self.ref)  # loaded a second time under ZeRO-3 (a copy already has none)
             self.ref.eval().requires_grad_(False)
         if self.hparams.gradient_checkpointing:
             enable_activation_checkpointing(self.policy)
@@ -237,10 +245,14 @@ class GRPOModule(LightningModule):
         )
         return encoded["input_ids"].to(self.device), encoded["attention_mask"].to(self.device)
 
-    def old_logprobs_from_sampler(self) -> bool:
-        """Whether π_old's log-probs (μ > 1) are the sampler's own rather than a forward pass over the rollout."""
+    def old_logprobs_from_sampler(self, record_old: bool) -> bool:
+        """Whether π_old's log-probs are taken from the sampler rather than from a forward pass over the rollout.
+
+        ``record_old``: whether the round needs π_old at all, i.e. has more than one optimizer step (μ passes ×
+        mini-batches per pass): after the first step the policy is no longer the one that sampled.
+        """
         choice = self.objective.old_logprobs
-        if self.objective.num_iterations == 1 or choice == "recompute":
+        if not record_old or choice == "recompute":
             return False
         if choice == "sampler":
             return True
@@ -326,9 +338,15 @@ class GRPOModule(LightningModule):
         return rewards.to(completion_ids.device), ends.to(completion_ids.device)
 
     @torch.no_grad()
-    def rollout_logprobs(self, completions: Completions | RolloutBatch) -> tuple[Tensor | None, Tensor | None]:
-        """Old-policy log-probs (only when μ > 1; kept when the batch has the sampler's) and reference log-probs
-        (only when β > 0)."""
+    def rollout_logprobs(
+        self, completions: Completions | RolloutBatch, *, record_old: bool
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """Old-policy log-probs (when ``record_old``: the round has more than one optimizer step; the sampler's are
+        kept when the batch has them) and reference log-probs (when β > 0).
+
+        A round of exactly one optimizer step needs no π_old: every micro-batch's forward then runs on the
+        weights that sampled, so the ratio against the detached current log-probs is exactly π_θ / π_old.
+        """
         args = (
             completions.prompt_ids,
             completions.prompt_mask,
@@ -342,7 +360,9 @@ class GRPOModule(LightningModule):
             "lean": self.hparams.lean_forward,
         }
         old, ref = getattr(completions, "old_logprobs", None), None
-        if self.objective.num_iterations > 1 and old is None:
+        if not record_old:
+            old = None
+        elif old is None:
             was_training = self.policy.training
             self.policy.eval()
             old = completion_logprobs(self.policy, *args, **kwargs)[0]
@@ -433,12 +453,26 @@ class GRPOModule(LightningModule):
         """AdamW over the parameters that train (the adapters only, with LoRA), with linear warm-up.
 
         Under FSDP2 these are the rank's shards (DTensors), so the optimizer state is sharded too. Plain CPU and
-        CUDA tensors get the fused implementation (one kernel for all parameters, as TRL's default ``optim``).
+        CUDA tensors get the fused implementation (one kernel for all parameters, as TRL's default ``optim``)
+        wherever Lightning can clip its gradients. Lightning's AMP plugin (``16-mixed``, ``bf16-mixed``) refuses
+        to clip for an optimizer that unscales gradients inside its step, as the fused one does, whatever the
+        device: with ``trainer.gradient_clip_val`` set under AMP, torch's default implementation is used instead
+        (``foreach`` on CUDA, the same arithmetic; the optimizer step is a small part of a round).
         """
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        deepspeed = hasattr(self.trainer.strategy, "zero_stage_3") if self._trainer is not None else False
-        fused = not deepspeed and all(
-            type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda") for p in params
+        trainer = self._trainer
+        deepspeed = hasattr(trainer.strategy, "zero_stage_3") if trainer is not None else False
+        amp_clipping = (
+            trainer is not None
+            and bool(trainer.gradient_clip_val)
+            and isinstance(trainer.precision_plugin, MixedPrecision)
+        )
+        fused = (
+            not deepspeed
+            and not amp_clipping
+            and all(type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda") for p in params)
         )
         optimizer = torch.optim.AdamW(
             params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, fused=fused or None

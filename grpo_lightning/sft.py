@@ -80,6 +80,7 @@ class SFTModule(GRPOModule):
         eval_answer_fn: str | None = None,
         lora: LoraConfig | None = None,
         gradient_checkpointing: bool = False,
+        disable_dropout: bool = False,
     ) -> None:
         """
         Args:
@@ -103,6 +104,8 @@ class SFTModule(GRPOModule):
             eval_answer_fn: import path of the answer extractor maj@k votes on.
             lora: train LoRA adapters only (needs PEFT).
             gradient_checkpointing: recompute activations in the backward pass.
+            disable_dropout: set the model's dropout to 0; off by default: supervised training has no ratio that
+                dropout would bias, and the model's own dropout regularises it as usual.
         """
         if lr_schedule not in ("constant", "linear", "cosine"):
             raise ConfigError(f"model.lr_schedule must be constant, linear or cosine (got {lr_schedule!r})")

@@ -7,8 +7,10 @@ row at fault (the CLI prints it as ``error: ...``), or fixes what is safe to fix
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, fields, is_dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
@@ -68,6 +70,97 @@ def _model_config(name: str) -> Any:
         return None
 
 
+# ------------------------------------------------------------------------------------------ numeric settings
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _at_least(low: float, null: bool = False) -> Callable[[Any], bool]:
+    return lambda v: (null and v is None) or (_number(v) and v >= low)
+
+
+def _above(low: float, null: bool = False) -> Callable[[Any], bool]:
+    return lambda v: (null and v is None) or (_number(v) and v > low)
+
+
+# Numeric settings that the class taking them does not refuse itself, or not before torch or Lightning fail on
+# them with a traceback (or accept them and misbehave: a negative gradient_clip_val flips the gradients). Each:
+# (accepts the value, what it must be). ``check_setting_ranges`` applies them to the parsed config.
+SETTING_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "model.lr": (_at_least(0), ">= 0"),
+    "model.weight_decay": (_at_least(0), ">= 0"),
+    "model.warmup_steps": (_at_least(0), ">= 0"),
+    "model.logprob_batch_size": (_at_least(1), ">= 1"),
+    "model.reward_timeout_s": (_above(0, null=True), "> 0, or null for no limit"),
+    "data.mini_batch_size": (_at_least(1, null=True), ">= 1, or null for the whole rollout"),
+    "data.micro_batch_size": (_at_least(1, null=True), ">= 1, or null for the whole mini-batch"),
+    "data.val_batch_size": (_at_least(1), ">= 1"),
+    "data.val_limit": (_at_least(0, null=True), ">= 0, or null for all held-out prompts"),
+    "trainer.accumulate_grad_batches": (_at_least(1), ">= 1"),
+    "trainer.gradient_clip_val": (_at_least(0, null=True), ">= 0, or null for no clipping"),
+    "trainer.check_val_every_n_epoch": (_at_least(1, null=True), ">= 1, or null"),
+    # An int counts training batches (0 divides by zero in Lightning's loop), a float is a fraction of an epoch.
+    "trainer.val_check_interval": (
+        lambda v: not _number(v) or (v >= 1 if isinstance(v, int) else v > 0),
+        "> 0 (a fraction of an epoch, or >= 1 batches), or null",
+    ),
+}
+
+
+def check_ranges(section: str, settings: Mapping[str, Any] | Any) -> None:
+    """Refuse the settings of ``section`` (``model``, ``data``, ``trainer``) outside ``SETTING_RANGES``.
+
+    ``settings``: the section's values (a mapping, a parsed-config namespace, or a class's ``hparams``); settings
+    it does not hold are not checked. The message names the setting, in one line.
+    """
+    settings = _plain(settings)
+    if not isinstance(settings, Mapping):
+        return
+    for name, (accepts, must_be) in SETTING_RANGES.items():
+        group, _, key = name.partition(".")
+        if group == section and key in settings and not accepts(settings[key]):
+            raise ConfigError(f"{name} must be {must_be} (got {settings[key]!r})")
+
+
+def check_setting_ranges(config: Any) -> None:
+    """``check_ranges`` for every section of a parsed config (one subcommand's: ``model``, ``data``, ``trainer``)."""
+    for section in ("model", "data", "trainer"):
+        values = config.get(section) if hasattr(config, "get") else getattr(config, section, None)
+        if values is not None:
+            check_ranges(section, values)
+
+
+# ---------------------------------------------------------------------------------------------- model source
+# A Hugging Face Hub model name: ``name`` or ``namespace/name`` (``huggingface_hub``'s rule, simplified).
+_REPO_ID = re.compile(r"(?!.*(?:--|\.\.))\w(?:[\w.\-]{0,94}\w)?(?:/\w(?:[\w.\-]{0,94}\w)?)?")
+
+
+def check_model_source(name: str) -> None:
+    """Refuse ``model.model_name_or_path`` when it can be neither a local model folder nor a Hub model name.
+
+    ``transformers`` reads the value as a local folder only when that folder exists, and otherwise as a Hub name:
+    a mistyped path would end in its traceback about repository ids.
+    """
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"model.model_name_or_path: the folder {name!r} has no config.json: not a Hugging Face model folder"
+            )
+        return
+    if path.exists():
+        raise ConfigError(f"model.model_name_or_path: {name!r} is a file; give the model's folder or a Hub name")
+    if not _REPO_ID.fullmatch(name):
+        raise ConfigError(f"model.model_name_or_path: no such local folder {name!r} (nor is it a Hub model name)")
+
+
+def model_source_error(name: str, err: OSError) -> ConfigError:
+    """``transformers``' failure to load ``name`` (not found locally nor on the Hub, offline, ...) in one line."""
+    first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+    local = " (there is no local folder of that name either)" if "/" in name else ""
+    return ConfigError(f"model.model_name_or_path: cannot load {name!r}{local}: {first[:300]}")
+
+
 # --------------------------------------------------------------------------------------------------- data
 def model_context_length(module: GRPOModule) -> int | None:
     """The longest sequence (prompt + completion) the policy supports, from its config; None when unknown."""
@@ -116,12 +209,18 @@ def check_prompts(module: GRPOModule, data: Dataset, where: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- checkpoints
 def _plain(value: Any) -> Any:
+    """``value`` as plain data, whatever form it came in: settings objects (dataclasses), jsonargparse Namespaces
+    (a checkpoint's saved hyperparameters, in ``class_path`` form or not) and dicts of them, also inside lists."""
     if is_dataclass(value) and not isinstance(value, type):
-        return asdict(value)
+        value = asdict(value)
     if hasattr(value, "as_dict"):  # a jsonargparse Namespace, from the parsed config
         value = value.as_dict()
     if isinstance(value, dict) and "init_args" in value:  # class_path form
         value = value["init_args"]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if k != "__subclasses_disabled__"}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
     return value
 
 
@@ -177,6 +276,14 @@ def check_checkpoint_hparams(saved: Mapping[str, Any], current: Mapping[str, Any
 
 
 def _settings(key: str, value: Any) -> Any:
+    from grpo_lightning.config import ObjectiveConfig, SamplingConfig
+    from grpo_lightning.rewards import RewardSpec
+
+    # Defaults filled in: a setting left out (or added to the class since the checkpoint) is not a change.
+    if key == "rewards" and isinstance(value, (list, tuple)):
+        value = [_normalised(RewardSpec, spec) for spec in value]
+    elif key in ("sampling", "objective") and value is not None:
+        value = _normalised(SamplingConfig if key == "sampling" else ObjectiveConfig, value)
     value = _plain(value)
     if key == "objective" and isinstance(value, dict):
         # β is state, not a setting, under KLController: the saved hyperparameters hold its controlled value.

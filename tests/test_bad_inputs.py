@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from dataclasses import asdict
@@ -18,10 +19,13 @@ import pytest
 import torch
 import yaml
 from conftest import TINY
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from grpo_lightning import GRPOModule
-from grpo_lightning.cli import main, parse_error_line
+from grpo_lightning.cli import main, parse_error_line, trainer_error
+from grpo_lightning.config import ConfigError
 from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
+from grpo_lightning.validation import SETTING_RANGES, check_ranges, check_setting_ranges
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,6 +102,18 @@ def args(*extra: str):
     return lambda config, tmp: list(extra)
 
 
+def model_folder_without_config(config: dict, tmp: Path) -> None:
+    (tmp / "half-copied-model").mkdir()
+    (tmp / "half-copied-model" / "tokenizer.json").write_text("{}")
+    config["model"]["model_name_or_path"] = str(tmp / "half-copied-model")
+
+
+def callback(class_name: str, **init_args):
+    """Edit: run with the callback ``grpo_lightning.callbacks.<class_name>(**init_args)``."""
+    path = f"grpo_lightning.callbacks.{class_name}"
+    return setting("trainer.callbacks", [{"class_path": path, "init_args": init_args}])
+
+
 ROUND_CHECKPOINT = [{"class_path": "grpo_lightning.callbacks.RoundCheckpoint", "init_args": {"every_n_rounds": 0}}]
 
 # name: (edit of the base config, text the one-line error must contain)
@@ -132,6 +148,37 @@ CATALOGUE = {
     "checkpoint_of_another_model": (checkpoint_of(64), "model.tiny_model"),
     "no_such_checkpoint": (args("--ckpt_path", "missing.ckpt"), "ckpt_path: no such checkpoint file"),
     "not_a_checkpoint": (garbage_checkpoint, "ckpt_path: cannot read"),
+    # Numbers out of range that torch or Lightning would refuse only later, with a traceback, or never (a negative
+    # gradient_clip_val flips the gradients): validation.SETTING_RANGES, checked before anything is built.
+    "negative_lr": (setting("model.lr", -1.0), "model.lr must be >= 0 (got -1.0)"),
+    "negative_weight_decay": (setting("model.weight_decay", -0.1), "model.weight_decay must be >= 0"),
+    "negative_warmup": (setting("model.warmup_steps", -1), "model.warmup_steps must be >= 0"),
+    "logprob_batch_size_0": (setting("model.logprob_batch_size", 0), "model.logprob_batch_size must be >= 1"),
+    "reward_timeout_0": (setting("model.reward_timeout_s", 0), "model.reward_timeout_s must be > 0"),
+    "negative_mini_batch": (setting("data.mini_batch_size", -4), "data.mini_batch_size must be >= 1"),
+    "micro_batch_0": (setting("data.micro_batch_size", 0), "data.micro_batch_size must be >= 1"),
+    "val_batch_size_0": (setting("data.val_batch_size", 0), "data.val_batch_size must be >= 1"),
+    "accumulate_0": (setting("trainer.accumulate_grad_batches", 0), "trainer.accumulate_grad_batches must be >= 1"),
+    "negative_gradient_clip": (setting("trainer.gradient_clip_val", -1.0), "trainer.gradient_clip_val must be >= 0"),
+    "validate_every_0_epochs": (setting("trainer.check_val_every_n_epoch", 0), "trainer.check_val_every_n_epoch"),
+    "val_check_interval_0": (setting("trainer.val_check_interval", 0), "trainer.val_check_interval must be > 0"),
+    "tiny_model_odd_heads": (setting("model.tiny_model.num_heads", 3), "model.tiny_model.num_heads (3)"),
+    "tiny_model_no_layers": (setting("model.tiny_model.num_layers", 0), "model.tiny_model.num_layers must be >= 1"),
+    # Trainer settings that Lightning refuses when the Trainer is built: its message, naming the setting.
+    "max_epochs_-2": (setting("trainer.max_epochs", -2), "trainer.max_epochs: `max_epochs` must be"),
+    "devices_0": (setting("trainer.devices", 0), "trainer.devices: `Trainer(devices=0)`"),
+    "unknown_accelerator": (setting("trainer.accelerator", "bogus"), "trainer.accelerator: "),
+    "unknown_strategy": (setting("trainer.strategy", "bogus"), "trainer.strategy: "),
+    "num_nodes_0": (setting("trainer.num_nodes", 0), "trainer.num_nodes: "),
+    "negative_limit_val_batches": (setting("trainer.limit_val_batches", -1), "trainer.limit_val_batches: "),
+    "unknown_clip_algorithm": (setting("trainer.gradient_clip_algorithm", "bogus"), "trainer.gradient_clip_algorithm"),
+    "unknown_precision": (setting("trainer.precision", "17"), "trainer.precision: got '17'; expected one of 64,"),
+    # Callbacks' own settings.
+    "console_samples_0": (callback("ConsoleSamples", num_samples=0), "ConsoleSamples.num_samples must be >= 1"),
+    "completions_every_0": (callback("CompletionsTable", every_n_rounds=0), "CompletionsTable.every_n_rounds"),
+    # Paths.
+    "missing_model_folder": (setting("model.model_name_or_path", "./no_such_model"), "no such local folder"),
+    "model_folder_without_config": (model_folder_without_config, "has no config.json"),
 }
 
 
@@ -157,8 +204,21 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
-def test_the_catalogue_is_large():
-    assert len(CATALOGUE) >= 15
+class _FirstStep(Exception):
+    """Raised by the first training step of the control run."""
+
+
+def test_the_unedited_base_config_passes_every_check_and_trains(workdir, monkeypatch):
+    """The catalogue's control: without an edit the same config passes every up-front check and reaches the first
+    training step, so each entry is refused for its own edit, not for something in the base."""
+
+    def first_step(*_args, **_kwargs):
+        raise _FirstStep
+
+    monkeypatch.setattr(GRPOModule, "training_step", first_step)
+    (workdir / "config.yaml").write_text(yaml.safe_dump(BASE))
+    with pytest.raises(_FirstStep):
+        main(["fit", "--config", str(workdir / "config.yaml")])
 
 
 @pytest.mark.parametrize("name", sorted(CATALOGUE))
@@ -176,7 +236,7 @@ def test_bad_input_is_refused_before_training_in_one_line(workdir, capsys, monke
     assert len(lines) == 1 and CATALOGUE[name][1] in lines[0], err[-2000:]
 
 
-@pytest.mark.parametrize("name", ["unknown_key", "reward_raises"])
+@pytest.mark.parametrize("name", ["unknown_key", "reward_raises", "devices_0"])
 def test_the_real_cli_refuses_bad_input_in_one_line(workdir, name):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(workdir)]), "WANDB_MODE": "offline"}
     run = subprocess.run(
@@ -240,3 +300,69 @@ def test_a_tokenizer_without_eos_anywhere_is_refused(workdir, capsys):
 def _config_for_the_eos_case(request, tmp_path):
     if request.node.name == "test_a_tokenizer_without_eos_anywhere_is_refused":
         (tmp_path / "c.yaml").write_text(yaml.safe_dump({k: v for k, v in BASE.items() if k != "model"}))
+
+
+# One value each range refuses and one it accepts (edges included).
+RANGE_CASES = {
+    "model.lr": (-1e-6, 0.0),
+    "model.weight_decay": (-0.1, 0.0),
+    "model.warmup_steps": (-1, 0),
+    "model.logprob_batch_size": (0, 1),
+    "model.reward_timeout_s": (0.0, None),
+    "data.mini_batch_size": (0, None),
+    "data.micro_batch_size": (-2, 1),
+    "data.val_batch_size": (0, 1),
+    "data.val_limit": (-1, 0),
+    "trainer.accumulate_grad_batches": (0, 1),
+    "trainer.gradient_clip_val": (-0.5, 0.0),
+    "trainer.check_val_every_n_epoch": (0, None),
+    "trainer.val_check_interval": (0, 0.25),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SETTING_RANGES))
+def test_each_numeric_range_refuses_a_value_outside_it_and_accepts_its_edge(name):
+    section, _, key = name.partition(".")
+    bad, good = RANGE_CASES[name]
+    with pytest.raises(ConfigError, match=rf"^{re.escape(name)} must be .* \(got {re.escape(repr(bad))}\)$"):
+        check_setting_ranges({section: {key: bad}})
+    check_setting_ranges({section: {key: good}})
+    check_ranges(section, {"some_other_setting": bad})  # only the settings of the table are checked
+
+
+def test_trainer_errors_name_the_setting_by_its_name_or_its_quoted_value():
+    named = trainer_error(ValueError("`num_nodes` must be a positive integer, but got 0."), {})
+    assert str(named) == "trainer.num_nodes: `num_nodes` must be a positive integer, but got 0."
+    # Lightning's message on a machine without a GPU names the value only.
+    quoted = trainer_error(MisconfigurationException("No supported gpu backend\nfound!"), {"accelerator": "gpu"})
+    assert str(quoted) == "trainer.accelerator: No supported gpu backend found!"
+    assert str(trainer_error(TypeError("something else"), {})) == "trainer: something else"
+
+
+def test_a_model_the_hub_cannot_give_is_one_line(workdir, capsys, monkeypatch):
+    import transformers
+
+    def offline(name, *_args, **_kwargs):
+        raise OSError(f"We couldn't connect to 'https://huggingface.co' to load {name}.\nCheck your connection.")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
+    (workdir / "c.yaml").write_text(yaml.safe_dump({k: v for k, v in BASE.items() if k != "model"}))
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(workdir / "c.yaml"), "--model.model_name_or_path", "some-org/some-model"])
+    lines = error_lines(capsys.readouterr().err)
+    assert lines == [
+        "error: model.model_name_or_path: cannot load 'some-org/some-model' (there is no local folder of that name "
+        "either): We couldn't connect to 'https://huggingface.co' to load some-org/some-model."
+    ]
+
+
+def test_a_value_outside_a_union_of_choices_lists_them():
+    message = (
+        'Parser key "trainer.precision":\n  Does not validate against any of the Union subtypes\n'
+        "  Subtypes: [typing.Literal[64, 32], typing.Literal['bf16-mixed', '32-true'], <class 'NoneType'>]\n"
+        "  Errors:\n  Given value type: <class 'str'>\n  Given value: 17"
+    )
+    choices = "64, 32, 'bf16-mixed', '32-true', null"
+    assert parse_error_line(message) == f"trainer.precision: got '17'; expected one of {choices}"
+    mixed = message.replace("<class 'NoneType'>", "<class 'int'>")  # not only fixed choices: no list
+    assert "expected one of" not in parse_error_line(mixed)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +36,7 @@ TINY_CONFIG = {
 
 
 def run_cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT), **(env or {})}
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": os.pathsep.join([str(ROOT), str(cwd)]), **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "grpo_lightning", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
     )
@@ -46,26 +47,50 @@ def write_config(path: Path, config: dict) -> Path:
     return path
 
 
-def test_fit_three_rounds_then_validate_the_checkpoint(tmp_path):
+def test_fit_three_rounds_then_validate_the_checkpoint_then_resume_two_more(tmp_path):
     config = json.loads(json.dumps(TINY_CONFIG))
     config["trainer"]["enable_checkpointing"] = True
     config["trainer"]["callbacks"] = [
         {
             "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-            "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True},
+            # every round kept: epoch=<round - 1>-step=<optimizer steps so far>.ckpt (one step per round here)
+            "init_args": {
+                "dirpath": str(tmp_path / "ckpt"),
+                "save_last": True,
+                "save_top_k": -1,
+                "every_n_epochs": 1,
+                "save_on_train_epoch_end": True,
+            },
         }
     ]
+    # A reward with spread among a random model's completions (exact_answer is 0 for all of them): without one
+    # every advantage is 0, the policy does not move, and "the resumed run trained" could not be told.
+    (tmp_path / "cli_rewards.py").write_text(
+        "def char_sum(prompts, completions, **_):\n    return [float(sum(map(ord, c)) % 5) for c in completions]\n"
+    )
+    config["model"]["rewards"] = [{"name": "cli_rewards.char_sum"}]
     cfg = write_config(tmp_path / "c.yaml", config)
     fit = run_cli("fit", "--config", str(cfg), cwd=tmp_path)
     assert fit.returncode == 0, fit.stderr[-3000:]
     last = tmp_path / "ckpt" / "last.ckpt"
-    assert last.exists()
+    rounds = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "ckpt").glob("epoch=*.ckpt")}
+    assert sorted(rounds) == ["epoch=0-step=1.ckpt", "epoch=1-step=2.ckpt", "epoch=2-step=3.ckpt"]
+    before = torch.load(last, weights_only=False, map_location="cpu")
+    assert (before["epoch"], before["global_step"]) == (2, 3)
     val = run_cli("validate", "--config", str(cfg), "--ckpt_path", str(last), cwd=tmp_path)
     assert val.returncode == 0, val.stderr[-3000:]
     assert "val/accuracy" in val.stdout
-    # resume: --ckpt_path continues training where the checkpoint stopped (3 more rounds up to max_epochs=6)
-    resumed = run_cli("fit", "--config", str(cfg), "--trainer.max_epochs", "4", "--ckpt_path", str(last), cwd=tmp_path)
+
+    # Resume: --ckpt_path continues where the checkpoint stopped, two more rounds up to max_epochs=5.
+    resumed = run_cli("fit", "--config", str(cfg), "--trainer.max_epochs", "5", "--ckpt_path", str(last), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = torch.load(last, weights_only=False, map_location="cpu")
+    assert (after["epoch"], after["global_step"]) == (4, 5)  # 3 + 2 optimizer steps, not 5 from a fresh start
+    now = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "ckpt").glob("epoch=*.ckpt")}
+    assert sorted(set(now) - set(rounds)) == ["epoch=3-step=4.ckpt", "epoch=4-step=5.ckpt"]
+    assert {name: now[name] for name in rounds} == rounds  # rounds 1-3 were not run (nor saved) again
+    policy = [k for k in before["state_dict"] if k.startswith("policy.")]
+    assert policy and any(not torch.equal(before["state_dict"][k], after["state_dict"][k]) for k in policy)
 
 
 def test_print_config_and_composition(tmp_path):

@@ -1,8 +1,10 @@
-"""tools/export_hf.py: checkpoint → Hugging Face folder with the same logits; a LoRA policy exported merged."""
+"""tools/export_hf.py: checkpoint → Hugging Face folder with the same logits (and dtype); a LoRA policy exported
+merged; a checkpoint of the command line exports without a warning of changed settings."""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,9 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from grpo_lightning import GRPOModule, RewardSpec, RolloutDataModule, SamplingConfig
+from grpo_lightning.cli import GRPOCLI
 from grpo_lightning.rewards import register
+from grpo_lightning.validation import check_checkpoint_hparams
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,13 +45,10 @@ def tiny_module(**kwargs) -> GRPOModule:
     return GRPOModule(tiny_model=TINY, rewards=[RewardSpec("test_export_length")], sampling=sampling, **kwargs)
 
 
-def fit_one_round(module: GRPOModule, tmp_path: Path) -> Path:
+def fit_one_round(module: GRPOModule, tmp_path: Path, **trainer_settings) -> Path:
     """One round of GRPO (so the weights differ from their initialisation), saved as a checkpoint."""
     data = RolloutDataModule(prompts_per_round=4, val_limit=4, task_kwargs={"test_size": 50})
-    trainer = quiet_trainer(
-        tmp_path,
-        max_epochs=1,
-    )
+    trainer = quiet_trainer(tmp_path, max_epochs=1, **trainer_settings)
     torch.manual_seed(0)
     module.configure_model()
     before = [p.detach().clone() for p in module.policy.parameters() if p.requires_grad]
@@ -94,3 +95,58 @@ def test_lora_checkpoint_is_exported_merged(tmp_path):
         assert not any("lora" in name for name in weights.keys())
     model = AutoModelForCausalLM.from_pretrained(out)
     torch.testing.assert_close(logits(model, module.tokenizer, TEXTS), with_adapters, atol=1e-5, rtol=0)
+
+
+def test_bf16_true_checkpoint_exports_in_bf16(tmp_path):
+    """``--dtype`` unset means as trained: the module is rebuilt in float32, the export is bf16 again."""
+    module = tiny_module(lr=1e-2)
+    ckpt = fit_one_round(module, tmp_path, precision="bf16-true")
+    assert {p.dtype for p in module.policy.parameters()} == {torch.bfloat16}
+    export = load_tool("export_hf")
+    out = tmp_path / "as-trained"
+    export.main([str(ckpt), str(out)])
+    with safe_open(out / "model.safetensors", framework="pt") as weights:
+        assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.bfloat16}
+    model = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    assert model.dtype == torch.bfloat16
+    torch.testing.assert_close(logits(model, module.tokenizer, TEXTS), logits(module.policy, module.tokenizer, TEXTS))
+    out = export.export_checkpoint(ckpt, tmp_path / "float32", dtype="float32")  # an explicit dtype still applies
+    with safe_open(out / "model.safetensors", framework="pt") as weights:
+        assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.float32}
+
+
+def test_float32_checkpoint_exports_in_float32(tmp_path):
+    ckpt = fit_one_round(tiny_module(lr=1e-2), tmp_path)
+    out = load_tool("export_hf").export_checkpoint(ckpt, tmp_path / "exported")
+    with safe_open(out / "model.safetensors", framework="pt") as weights:
+        assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.float32}
+
+
+def test_checkpoint_of_the_command_line_exports_without_a_changed_settings_warning(tmp_path, monkeypatch, caplog):
+    """Saved hyperparameters hold the parsed config (jsonargparse Namespaces), the rebuilt module its own objects
+    (``RewardSpec``, ...): the same settings in two forms, not a change."""
+    monkeypatch.chdir(tmp_path)
+    quickstart = ROOT / "configs" / "quickstart.yaml"
+    model = ROOT / "grpo_lightning" / "assets" / "tiny-arith"
+    args = ["fit", "--config", str(quickstart), "--model.model_name_or_path", str(model), "--trainer.max_epochs", "1"]
+    args += ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", "run"]
+    cli = GRPOCLI(args=[*args, "--data.prompts_per_round", "2", "--data.mini_batch_size", "16"])
+    ckpt = cli.trainer.checkpoint_callback.last_model_path
+    with caplog.at_level(logging.WARNING):
+        load_tool("export_hf").main([str(ckpt), str(tmp_path / "exported")])
+    assert not [r for r in caplog.records if "other values" in r.getMessage()], caplog.text
+    assert (tmp_path / "exported" / "model.safetensors").is_file()
+
+
+def test_saved_settings_compare_by_value_whatever_their_form():
+    from jsonargparse import Namespace
+
+    def saved(weight: float) -> list[Namespace]:  # what a checkpoint of the command line holds
+        spec = Namespace(name="exact_answer", weight=weight, kwargs={})
+        return [Namespace(class_path="grpo_lightning.RewardSpec", init_args=spec, __subclasses_disabled__=True)]
+
+    current = {"rewards": [RewardSpec("exact_answer")], "sampling": SamplingConfig(group_size=8)}
+    assert check_checkpoint_hparams({"rewards": saved(1.0), "sampling": {"group_size": 8}}, current, "'x'") == []
+    assert check_checkpoint_hparams({"rewards": [{"name": "exact_answer"}]}, current, "'x'") == []  # defaults
+    assert check_checkpoint_hparams({"rewards": saved(0.5)}, current, "'x'") == ["model.rewards"]
+    assert check_checkpoint_hparams({"sampling": {"group_size": 4}}, current, "'x'") == ["model.sampling"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from grpo_lightning.rollout.generation import completion_logprobs, filter_logits, sample_completions, token_logprobs
@@ -72,26 +73,47 @@ def test_masks_at_eos_and_truncation(tiny_llama, tokenizer):
             assert out.truncated[row]
 
 
-def test_forced_eos_and_min_new_tokens(tiny_llama, tokenizer):
+def eos_bias(model, eos: int, value: float) -> None:
+    """Add ``value`` to the EOS logit through an output-layer bias (which the lean decoder and the model's own
+    forward both read): +50 makes EOS all but certain at every step, -50 all but impossible."""
+    bias = torch.zeros(model.lm_head.out_features)
+    bias[eos] = value
+    model.lm_head.bias = torch.nn.Parameter(bias)
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "model-forward"])
+def test_eos_is_banned_before_min_new_tokens_and_the_length_limit_truncates(tiny_llama, tokenizer, lean):
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    with torch.no_grad():
-        tiny_llama.lm_head.weight[eos].fill_(0)
-        tiny_llama.model.norm.weight.fill_(0)  # every logit 0 ...
-    ids, mask = encode(tokenizer, ["7+8="])
-    # all logits equal: greedy picks the first token (pad = 0), never EOS before min_new_tokens when sampling
-    out = sample_completions(
-        tiny_llama,
-        ids,
-        mask,
-        group_size=8,
-        max_new_tokens=5,
-        min_new_tokens=5,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        generator=torch.Generator().manual_seed(1),
-    )
-    assert out.completion_ids.shape == (8, 5) and (out.completion_ids != eos).all()
-    assert out.completion_mask.all()
+    ids, mask = encode(tokenizer, ["7+8=", "12+30="])
+
+    def sample(min_new_tokens: int):
+        return sample_completions(
+            tiny_llama,
+            ids,
+            mask,
+            group_size=8,
+            max_new_tokens=6,
+            min_new_tokens=min_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            generator=torch.Generator().manual_seed(1),
+            lean=lean,
+        )
+
+    eos_bias(tiny_llama, eos, 50.0)  # the model wants to end at once
+    assert (sample(min_new_tokens=0).completion_ids[:, 0] == eos).all()  # the control: it does, unbanned
+    out = sample(min_new_tokens=3)
+    # Three tokens drawn with EOS banned, then EOS at the first step it is allowed: every completion is 4 long.
+    assert out.completion_ids.shape == (16, 4)
+    assert (out.completion_ids[:, :3] != eos).all() and (out.completion_ids[:, 3] == eos).all()
+    assert out.completion_mask.all() and not out.truncated.any()  # EOS itself is in the loss
+
+    eos_bias(tiny_llama, eos, -50.0)  # the model never ends by itself
+    out = sample(min_new_tokens=0)
+    # The length limit ends every completion: no EOS is written in its place, and each is flagged truncated
+    # (what mask_truncated_completions and the overlong rewards read).
+    assert out.completion_ids.shape == (16, 6) and (out.completion_ids != eos).all()
+    assert out.completion_mask.all() and out.truncated.all()
 
 
 def test_group_samples_share_prompt_and_differ(tiny_llama, tokenizer):

@@ -327,5 +327,12 @@ def test_bf16_logits_equal_the_model_forward(name, precision):
         )
         logits = model.lm_head(hidden)
     assert logits.dtype == expected.dtype == torch.bfloat16
-    # Equal to the bit with torch 2.13; one bfloat16 step of slack for other versions' kernels.
-    torch.testing.assert_close(logits, expected, atol=1e-3, rtol=8e-3)
+    # Both sides round every intermediate tensor to bfloat16 (unit roundoff u = 2**-8), but the CPU kernels that
+    # feed them (AVX-512 or AVX2 matmuls, attention, thread count) sum in different orders: an intermediate that
+    # lands on the other side of a rounding boundary moves a logit by about one bfloat16 step of the logits'
+    # size. Measured: 0 with AVX-512, up to 1.2 u·max|logit| with AVX2 (1 and 2 threads); allowed: 4 u·max|logit|,
+    # relative to the logits' magnitude only (rtol=0: a near-zero logit has no meaningful relative error). A
+    # missing bias or q/k norm moves them by ~100 u or more; smaller slips (a rounding done in another dtype,
+    # measured 1-2 u) cannot be told from other kernels in bfloat16: the float32 tests above catch those.
+    tolerance = 4 * 2**-8 * expected.float().abs().max().item()
+    torch.testing.assert_close(logits.float(), expected.float(), atol=tolerance, rtol=0)

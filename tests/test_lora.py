@@ -66,7 +66,7 @@ def test_only_adapters_change_and_no_reference_copy(trained) -> None:
 def test_reference_logprobs_are_the_base_models(trained) -> None:
     module, data, _, base_path = trained
     batch = data.last_rollout
-    _, ref = module.rollout_logprobs(batch)
+    _, ref = module.rollout_logprobs(batch, record_old=False)
     assert module.policy.training  # restored after the adapter-disabled pass
     inputs = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
     base = AutoModelForCausalLM.from_pretrained(base_path).eval()

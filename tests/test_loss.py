@@ -64,6 +64,33 @@ def test_group_advantages_group_size_two():
     close(group_advantages(r, 2, baseline="rloo", scale="none"), [1.0, -1.0, 0.0, 0.0])
 
 
+def test_group_advantages_sample_std():
+    """``std="sample"`` divides the variance by G - 1 (TRL, verl): at G = 4, 1/0/0/0 has population std
+    sqrt(3)/4 and sample std 1/2."""
+    rewards = t([1.0, 0.0, 0.0, 0.0])
+    sample = group_advantages(rewards, 4, std="sample", eps=1e-12)
+    population = group_advantages(rewards, 4, std="population", eps=1e-12)
+    close(sample, [1.5, -0.5, -0.5, -0.5])
+    close(
+        population,
+        [0.75 / (math.sqrt(3) / 4), -0.25 / (math.sqrt(3) / 4), -0.25 / (math.sqrt(3) / 4), -0.25 / (math.sqrt(3) / 4)],
+    )
+    close(population / sample, [math.sqrt(4 / 3)] * 4)  # the 1.155x of the issue
+    # batch scale: the std of all rewards, with the same choice
+    close(group_advantages(rewards, 4, scale="batch", std="sample", eps=1e-12), [1.5, -0.5, -0.5, -0.5])
+    with pytest.raises(ValueError, match="std"):
+        group_advantages(rewards, 4, std="bessel")
+
+
+def test_process_advantages_sample_std():
+    # One group of 2 rows with one step each: rewards 1 and 0 -> mean 0.5, sample std sqrt(0.5), population 0.5.
+    steps, ends, mask = t([[1.0], [0.0]]), torch.tensor([[1], [1]]), torch.ones(2, 2)
+    sample = process_advantages(steps, ends, mask, 2, std="sample", eps=1e-12)
+    close(sample, [[0.5 / math.sqrt(0.5)] * 2, [-0.5 / math.sqrt(0.5)] * 2])
+    population = process_advantages(steps, ends, mask, 2, eps=1e-12)
+    close(population, [[1.0, 1.0], [-1.0, -1.0]])
+
+
 def test_group_advantages_batch_std_override():
     adv = group_advantages(t([1.0, 0.0, 0.0, 0.0]), 2, scale="batch", batch_std=t(2.0))
     close(adv, [0.5 / (2 + EPS), -0.5 / (2 + EPS), 0.0, 0.0])
@@ -260,6 +287,21 @@ def test_sequence_level_values_and_gradient():
     close(loss, (3 * -s0 + 2 * 0.5 * s1) / 5)
 
 
+def test_gspo_token_with_per_token_advantages():
+    """GSPO-token (Zheng et al. 2025, §4.3): every token has the value s_i of its sequence's ratio, and the
+    gradient -A_{i,t} s_i d(log pi_t) of its own advantage, not the row's mean advantage."""
+    logp = t([[-1.0, -2.0]]).requires_grad_(True)
+    old = t([[-1.1, -2.0]])  # s = exp((0.1 + 0) / 2) = e^0.05 = 1.051, inside [0.8, 1.2]
+    adv = t([[1.0, -2.0]])
+    s = math.exp(0.05)
+    loss, m = grpo_loss(logp, old, None, adv, torch.ones(1, 2), importance_sampling_level="sequence")
+    close(loss, (-s * 1.0 + s * 2.0) / 2)  # grpo: (1/|o|) sum_t -s A_t
+    close(m["ratio_min"], s)
+    close(m["ratio_max"], s)
+    loss.backward()
+    close(logp.grad, [[-s * 1.0 / 2, s * 2.0 / 2]])  # each token its own advantage
+
+
 def test_sequence_level_clipped_row_has_no_gradient():
     # Mean log-ratio 0.5 -> s = e^0.5 = 1.65 > 1.2 with A > 0: the whole sequence is clipped.
     logp = t([[0.4, 0.6]]).requires_grad_(True)
@@ -301,7 +343,9 @@ def test_single_token_completion(loss_type, divisor, level):
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "bnpo"])
 @pytest.mark.parametrize("level", ["token", "sequence"])
-def test_fully_masked_row_has_no_effect(loss_type, level):
+def test_fully_masked_row_counts_as_zero(loss_type, level):
+    """An all-padding row adds nothing (no NaN leaks from its garbage). "grpo" means over completions, so the
+    empty row counts as a 0 among 3 rows (2/3 of the 2-row loss); the token-level losses do not change."""
     nan = float("nan")
     logp, old, adv, mask = hand_inputs()
     ref = logp - 0.1
@@ -322,12 +366,13 @@ def test_fully_masked_row_has_no_effect(loss_type, level):
         **kwargs,
     )  # fmt: skip
     loss.backward()
-    close(loss, base)
+    scale = 2 / 3 if loss_type == "grpo" else 1.0
+    close(loss, base * scale)
     assert not torch.isnan(leaf2.grad).any()
-    close(leaf2.grad[[0, 2]], leaf.grad)
+    close(leaf2.grad[[0, 2]], leaf.grad * scale)
     close(leaf2.grad[1], torch.zeros(3))
     for key, value in base_m.items():
-        close(m[key], value)
+        close(m[key], value * scale if key == "pg_loss" else value)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "bnpo", "dr_grpo"])

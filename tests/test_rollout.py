@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import TINY, quiet_trainer
@@ -73,15 +75,53 @@ def test_optimizer_steps_per_round(tmp_path, mu, mini, micro, accumulate):
     assert rec.positions == [4, 8]  # exactly prompts_per_round consumed per round
 
 
-def test_old_logprobs_only_when_mu_above_one_and_ref_only_when_beta(tmp_path):
-    module, data, trainer, _ = make(tmp_path, mu=1, beta=0.0, epochs=1)
+def test_old_logprobs_only_when_a_round_has_several_steps_and_ref_only_when_beta(tmp_path):
+    module, data, trainer, _ = make(tmp_path, mu=1, beta=0.0, epochs=1)  # one optimizer step per round
     trainer.fit(module, datamodule=data)
     assert module.ref is None
     assert data.last_rollout.old_logprobs is None and data.last_rollout.ref_logprobs is None
+    module, data, trainer, _ = make(tmp_path, mu=1, beta=0.0, mini=8, epochs=1)  # μ = 1 but two steps per round
+    trainer.fit(module, datamodule=data)
+    assert data.last_rollout.old_logprobs is not None
     module, data, trainer, _ = make(tmp_path, mu=2, beta=0.1, epochs=1)
     trainer.fit(module, datamodule=data)
     assert module.ref is not None and not any(p.requires_grad for p in module.ref.parameters())
     assert data.last_rollout.old_logprobs is not None and data.last_rollout.ref_logprobs is not None
+
+
+class RatioRecorder(Callback):
+    def __init__(self):
+        self.ratio_min, self.ratio_max, self.clip_frac = [], [], []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        metrics = trainer.callback_metrics
+        self.ratio_min.append(float(metrics["train/ratio_min"]))
+        self.ratio_max.append(float(metrics["train/ratio_max"]))
+        self.clip_frac.append(float(metrics["train/clip_frac"]))
+
+
+@pytest.mark.parametrize("old_logprobs", ["sampler", "recompute"])
+def test_every_step_after_the_first_of_a_round_is_clipped_against_pi_old(tmp_path, old_logprobs):
+    """μ = 1 with two mini-batches per round: the second step's policy is not the one that sampled, so its ratio
+    must move off 1 (and get clipped) instead of being taken against the detached current policy."""
+    module = GRPOModule(
+        tiny_model=TINY,
+        rewards=[RewardSpec("test_length")],
+        sampling=SamplingConfig(group_size=4, max_new_tokens=6, temperature=0.7),
+        objective=ObjectiveConfig(beta=0.0, num_iterations=1, old_logprobs=old_logprobs),
+        lr=3e-2,
+    )
+    data = RolloutDataModule(prompts_per_round=4, mini_batch_size=8, val_limit=8, task_kwargs={"test_size": 50})
+    recorder = RatioRecorder()
+    trainer = quiet_trainer(tmp_path, max_epochs=1, callbacks=[recorder])
+    trainer.fit(module, datamodule=data)
+    assert len(recorder.ratio_min) == 2
+    assert recorder.ratio_min[0] == pytest.approx(1.0, abs=1e-5) and recorder.ratio_max[0] == pytest.approx(
+        1.0, abs=1e-5
+    )
+    # after one step at this learning rate some token moved by far more than float32 noise
+    assert recorder.ratio_min[1] < 0.99 or recorder.ratio_max[1] > 1.01
+    assert recorder.clip_frac[1] > 0
 
 
 def test_training_changes_policy_but_not_reference(tmp_path):
@@ -133,16 +173,18 @@ def test_old_logprobs_from_the_sampler_equal_a_recomputed_pass(choice):
         objective=ObjectiveConfig(num_iterations=2, old_logprobs=choice),
     )
     module.configure_model()
-    assert module.old_logprobs_from_sampler() is (choice != "recompute")
+    assert module.old_logprobs_from_sampler(record_old=True) is (choice != "recompute")
     prompts = iter([["1+2=", "33+4="], ["7+8=", "123+4="], ["9+9=", "5+55="], ["1+1=", "2+2="]])
     # DAPO's dynamic sampling concatenates several generations (prompts of other lengths): still aligned.
-    batch = collect_rollout(module, lambda: {"prompt": next(prompts)}, dynamic_sampling=True, max_sampling_rounds=4)
+    batch = collect_rollout(
+        module, lambda: {"prompt": next(prompts)}, optimizer_steps=2, dynamic_sampling=True, max_sampling_rounds=4
+    )
     assert batch.metrics["rollout/sampling_rounds"] >= 2  # rows from several generations
-    recomputed, _ = module.rollout_logprobs(replace(batch, old_logprobs=None))
+    recomputed, _ = module.rollout_logprobs(replace(batch, old_logprobs=None), record_old=True)
     torch.testing.assert_close(batch.old_logprobs, recomputed, atol=1e-5, rtol=1e-5)
-    module.objective = ObjectiveConfig(num_iterations=1, old_logprobs=choice)
-    assert not module.old_logprobs_from_sampler()
-    assert collect_rollout(module, lambda: {"prompt": ["5+5="]}).old_logprobs is None
+    # A round of one optimizer step needs no π_old, whatever μ says.
+    assert not module.old_logprobs_from_sampler(record_old=False)
+    assert collect_rollout(module, lambda: {"prompt": ["5+5="]}, optimizer_steps=1).old_logprobs is None
 
 
 def test_micro_batches_carry_the_token_positions_and_prompt_groups_of_their_rows():
@@ -176,3 +218,117 @@ def test_micro_batches_carry_the_token_positions_and_prompt_groups_of_their_rows
         assert torch.equal(mb["prompt_ids"][first][inverse], mb["prompt_ids"])
         assert torch.equal(mb["prompt_mask"][first][inverse], mb["prompt_mask"])
         assert mb["prompts_padded"] == (not bool(mb["prompt_mask"].all()))
+
+
+class SGDModule(GRPOModule):
+    """Plain SGD: the step is the gradient itself, so a wrongly normalised loss shows (Adam would hide a factor)."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.policy.parameters() if p.requires_grad], lr=1.0)
+
+
+def one_step_update(tmp_path, loss_type: str, micro: int) -> tuple[torch.Tensor, RolloutBatch]:
+    """The weight change of one round of one optimizer step over a 16-row rollout, in micro-batches of ``micro``."""
+    torch.manual_seed(0)
+    module = SGDModule(
+        tiny_model=TINY,
+        rewards=[RewardSpec("test_length")],
+        sampling=SamplingConfig(group_size=4, max_new_tokens=5, temperature=1.5),
+        objective=ObjectiveConfig(beta=0.04, loss_type=loss_type, mask_truncated_completions=True),
+    )
+    module.configure_model()
+    with torch.no_grad():  # a random model almost never ends a completion: make EOS likely in some contexts
+        module.policy.get_output_embeddings().weight[module.tokenizer.eos_token_id] *= 100
+    before = torch.cat([p.detach().flatten().clone() for p in module.policy.parameters()])
+    data = RolloutDataModule(prompts_per_round=4, micro_batch_size=micro, val_limit=8, task_kwargs={"test_size": 50})
+    trainer = quiet_trainer(tmp_path, max_epochs=1, accumulate_grad_batches=16 // micro)
+    trainer.fit(module, datamodule=data)
+    after = torch.cat([p.detach().flatten() for p in module.policy.parameters()])
+    return after - before, data.last_rollout
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_update_with_truncated_rows_does_not_depend_on_the_micro_batch_size(tmp_path, loss_type):
+    """Rows emptied by mask_truncated_completions count as 0 in the mean over the mini-batch's completions, so
+    one forward of 16 rows and 16/micro accumulated micro-batches make the same optimizer step."""
+    reference, rollout = one_step_update(tmp_path, loss_type, micro=16)
+    truncated = int(rollout.truncated.sum())
+    assert 0 < truncated < len(rollout)  # some rows are empty, some are not: the case that matters
+    assert reference.norm() > 0
+    for micro in (1, 2, 4):
+        update, again = one_step_update(tmp_path, loss_type, micro=micro)
+        assert torch.equal(again.completion_ids, rollout.completion_ids)  # the same rollout
+        # float32 sums taken in another order: a few float32 ulps of the update, far below 1e-6 relative
+        assert ((update - reference).norm() / reference.norm()).item() < 1e-6, micro
+
+
+@pytest.mark.parametrize("std,expected", [("population", 3**0.5), ("sample", 1.5)])
+def test_advantage_std_setting_reaches_the_round(std, expected):
+    """model.objective.advantage_std chooses the std of the round's advantages (1/0/0/0 at G = 4)."""
+    from types import SimpleNamespace
+
+    from grpo_lightning.rollout.round import compute_advantages
+
+    module = SimpleNamespace(
+        objective=ObjectiveConfig(advantage_std=std, advantage_eps=1e-12), sampling=SamplingConfig(group_size=4)
+    )
+    batch = SimpleNamespace(
+        rewards=torch.tensor([1.0, 0.0, 0.0, 0.0]), reward_columns={"r": [1.0, 0.0, 0.0, 0.0]}, step_rewards=None
+    )
+    advantages = compute_advantages(batch, module, None)
+    assert advantages[0].item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_advantage_std_is_checked():
+    with pytest.raises(ConfigError, match="advantage_std"):
+        ObjectiveConfig(advantage_std="bessel")
+
+
+class TwoRanks:
+    """Two datamodules standing for the two ranks of one DDP run; ``all_gather`` collects their positions."""
+
+    def __init__(self, data_factory):
+        self.ranks = [data_factory() for _ in range(2)]
+        for rank, data in enumerate(self.ranks):
+            strategy = SimpleNamespace(all_gather=self.all_gather, root_device=torch.device("cpu"))
+            data.trainer = SimpleNamespace(world_size=2, global_rank=rank, strategy=strategy)
+
+    def all_gather(self, value):
+        return torch.stack([torch.tensor(data.position) for data in self.ranks])
+
+
+def test_data_parallel_resume_continues_every_ranks_prompt_stream():
+    """Dynamic sampling lets each rank refill on its own: rank 1 draws three times in a round where rank 0 draws
+    once. A resume must continue each rank's own stream: no rank re-draws a prompt it trained on."""
+    from datasets import Dataset
+
+    def data_factory():
+        data = RolloutDataModule(prompts_per_round=2, seed=3)
+        data.train_data = Dataset.from_dict({"prompt": [f"p{i}" for i in range(40)]})
+        return data
+
+    run = TwoRanks(data_factory)
+    drawn = [[], []]
+    for rank, draws in ((0, 1), (1, 3)):
+        for _ in range(draws):
+            drawn[rank] += run.ranks[rank].next_prompts()["prompt"]
+    # Lightning saves rank 0's state_dict (computed on every rank: the positions are gathered).
+    states = [data.state_dict() for data in run.ranks]
+    assert states[0]["positions"] == [4, 12]
+    uninterrupted = [run.ranks[rank].next_prompts()["prompt"] for rank in (0, 1)]
+
+    resumed = TwoRanks(data_factory)
+    for data in resumed.ranks:
+        data.load_state_dict(states[0])
+    for rank in (0, 1):
+        following = resumed.ranks[rank].next_prompts()["prompt"]
+        assert following == uninterrupted[rank]
+        assert not set(following) & set(drawn[0] + drawn[1])  # nothing trained on is drawn again
+
+
+def test_a_resume_with_another_number_of_processes_continues_after_the_furthest_rank():
+    data = RolloutDataModule(prompts_per_round=2)
+    data.load_state_dict({"position": 4, "positions": [4, 12]})
+    assert data.position == 12
+    data.load_state_dict({"position": 8})  # a checkpoint from before per-rank positions
+    assert data.position == 8

@@ -7,13 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY, quiet_trainer
+from lightning import Callback
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.callbacks.kl import KLController, ReferenceSync, adaptive_beta
 from grpo_lightning.cli import GRPOCLI
-from grpo_lightning.loss import process_advantages
 from grpo_lightning.models.tiny import build_char_tokenizer
 from grpo_lightning.rewards import RewardSpec, register
+from grpo_lightning.rollout.generation import Completions
 from grpo_lightning.rollout.steps import step_token_ends
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,17 +91,108 @@ def test_step_token_ends_on_a_hand_example():
     assert ends.tolist() == [[1, 4, 7], [2, -1, -1]]
 
 
-def test_process_rewards_give_per_token_advantages(tmp_path):
+def fixed_generate(module: GRPOModule, texts: list[str], width: int):
+    """A stand-in for ``module.generate`` that "samples" ``texts`` for every prompt's group: each ended by EOS, or,
+    from ``width`` characters on, cut there without one (truncated by the length limit)."""
+    tok = module.tokenizer
+
+    def generate(prompts, *, greedy=False, return_logprobs=False):
+        prompt_ids, prompt_mask = module.encode_prompts(prompts)
+        rows = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts * len(prompts)]
+        truncated = torch.tensor([len(row) > width for row in rows])
+        rows = [row[:width] for row in rows]
+        ids = torch.full((len(rows), width), tok.pad_token_id)
+        mask = torch.zeros_like(ids)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
+        group = len(texts)
+        return Completions(
+            prompt_ids.repeat_interleave(group, 0), prompt_mask.repeat_interleave(group, 0), ids, mask, truncated
+        )
+
+    return generate
+
+
+def test_process_rewards_give_per_token_advantages(tmp_path, monkeypatch):
+    """One group of completions chosen by hand, through the real round: steps are separated by "1" and scored by
+    their length, each step's reward is normalised over all the steps of the group, and a token's advantage is the
+    sum over the steps that end at or after it."""
     module = tiny_module(["test_process"], beta=0.0)
-    data = RolloutDataModule(prompts_per_round=2, val_split=None)
+    # Steps (lengths): "a|bcd" (1, 3), "abc" (3), "a" (1), "abc|d" (3, 1): mean 2, population std 1.
+    monkeypatch.setattr(module, "generate", fixed_generate(module, ["a1bcd", "abc", "a", "abc1d"], width=6))
+    data = RolloutDataModule(prompts_per_round=1, val_split=None)
     fit(module, data, tmp_path=tmp_path)
     rollout = data.last_rollout
-    assert rollout.advantages.shape == rollout.completion_ids.shape
-    expected = process_advantages(rollout.step_rewards, rollout.step_ends, rollout.completion_mask, 4)
-    torch.testing.assert_close(rollout.advantages, expected)
-    lengths = [[len(s) for s in c.split("1")] for c in rollout.completions]
-    for row, values in enumerate(lengths):
-        assert rollout.step_rewards[row, : len(values)].tolist() == [float(v) for v in values]
+    nan = float("nan")
+    torch.testing.assert_close(
+        rollout.step_rewards, torch.tensor([[1.0, 3.0], [3.0, nan], [1.0, nan], [3.0, 1.0]]), equal_nan=True
+    )
+    # A step ends at the token of its last character; the last step at the last token (the EOS).
+    assert rollout.step_ends.tolist() == [[0, 5], [3, -1], [1, -1], [2, 5]]
+    # Normalised step rewards: (r - 2) / (1 + advantage_eps) = ±k.
+    k = 1 / (1 + 1e-4)
+    expected = k * torch.tensor(
+        [
+            [0.0, 1, 1, 1, 1, 1],  # a (-k, ends at 0) | 1bcd<eos> (+k, ends at 5): token 0 gets -k + k
+            [1, 1, 1, 1, 0, 0],  # abc<eos> (+k), then padding
+            [-1, -1, 0, 0, 0, 0],  # a<eos> (-k)
+            [0, 0, 0, -1, -1, -1],  # abc (+k, ends at 2) | 1d<eos> (-k, ends at 5)
+        ]
+    )
+    # float32 sums of two or three terms of size ~1: a few float32 ulps (2**-23 relative), well inside 1e-6.
+    torch.testing.assert_close(rollout.advantages, expected, atol=1e-6, rtol=0)
+
+
+register("test_variants_length")(lambda prompts, completions, **_: [float(len(c)) for c in completions])
+
+
+class FirstGradients(Callback):
+    """The gradients of the first optimizer step."""
+
+    def __init__(self) -> None:
+        self.grads: list[torch.Tensor] | None = None
+
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:  # noqa: ANN001
+        if self.grads is None:
+            self.grads = [p.grad.clone() for p in module.policy.parameters() if p.grad is not None]
+
+
+def first_step(tmp_path, texts: list[str], mask_truncated: bool):
+    """One round of one optimizer step on the completions ``texts`` (max_new_tokens 6): rollout and gradients."""
+    torch.manual_seed(0)
+    module = GRPOModule(
+        tiny_model=TINY,
+        rewards=[RewardSpec("test_variants_length")],
+        sampling=SamplingConfig(group_size=4, max_new_tokens=6),
+        objective=ObjectiveConfig(beta=0.0, loss_type="dapo", mask_truncated_completions=mask_truncated),
+        lr=1e-3,
+    )
+    module.generate = fixed_generate(module, texts, width=6)
+    data = RolloutDataModule(prompts_per_round=1, val_split=None)
+    grads = FirstGradients()
+    fit(module, data, callbacks=[grads], tmp_path=tmp_path)
+    return data.last_rollout, grads.grads
+
+
+def test_truncated_completions_are_masked_out_of_the_loss_and_the_gradient(tmp_path):
+    """DAPO's overlong filtering (the dapo recipe turns it on): a completion cut by max_new_tokens gets an all-zero
+    loss mask, and the update does not depend on its tokens. Two rollouts whose truncated rows differ in their
+    tokens only (same rewards, so the same advantages everywhere) make the same first optimizer step."""
+    ended = ["ab", "abcd"]  # rewards 2, 4; EOS within 6 tokens
+    first, second = ["abcdefgh", "abcdefgh"], ["zyxwvuts", "qqqqqqqq"]  # cut at 6 tokens: reward 6 either way
+    rollout, grads = first_step(tmp_path, ended + first, mask_truncated=True)
+    assert rollout.truncated.tolist() == [False, False, True, True]
+    assert (rollout.advantages[2:] != 0).all()  # without the mask, these rows would push the update
+    assert torch.equal(rollout.loss_mask[:2], rollout.completion_mask[:2])
+    assert rollout.loss_mask[2:].sum() == 0 and rollout.completion_mask[2:].sum() == 12
+    _, grads_other_tokens = first_step(tmp_path, ended + second, mask_truncated=True)
+    for a, b in zip(grads, grads_other_tokens, strict=True):
+        # Masked terms are multiplied by exactly 0: only the other rows' sums remain, in the same order.
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    # Control: without the setting the same change of tokens does change the update.
+    _, unmasked = first_step(tmp_path, ended + first, mask_truncated=False)
+    _, unmasked_other_tokens = first_step(tmp_path, ended + second, mask_truncated=False)
+    assert any(not torch.equal(a, b) for a, b in zip(unmasked, unmasked_other_tokens))
 
 
 def test_adaptive_beta_formula():

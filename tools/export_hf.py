@@ -3,6 +3,9 @@
     python tools/export_hf.py runs/quickstart/checkpoints/last.ckpt exported/quickstart
     python tools/export_hf.py CKPT OUT_DIR --dtype bfloat16
 
+The weights keep the dtype they were trained in (the checkpoint's: ``bfloat16`` after ``precision: bf16-true``,
+``float32`` after ``32-true`` or ``bf16-mixed``) unless ``--dtype`` says otherwise.
+
 The folder holds the weights (``model.safetensors``), ``config.json``, the tokenizer and a ``generation_config.json``
 carrying the run's sampling settings, and loads with ``AutoModelForCausalLM.from_pretrained(OUT_DIR)``. A LoRA
 policy (a ``peft`` model) is merged into its base weights first, so the folder needs no ``peft`` to load.
@@ -14,7 +17,10 @@ The checkpoint rebuilds its module from its hyperparameters, so ``model.model_na
 from __future__ import annotations
 
 import argparse
+from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -33,19 +39,31 @@ def merged_policy(policy: torch.nn.Module) -> PreTrainedModel:
     return policy
 
 
-def export_module(module: GRPOModule, out_dir: str | Path, dtype: str | None = None) -> Path:
+def trained_dtype(state_dict: Mapping[str, Any]) -> torch.dtype | None:
+    """The dtype of the policy's floating-point weights in a checkpoint's ``state_dict`` (the most common one);
+    None when it holds none."""
+    counts = Counter(
+        value.dtype
+        for key, value in state_dict.items()
+        if key.startswith("policy.") and isinstance(value, torch.Tensor) and value.is_floating_point()
+    )
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def export_module(module: GRPOModule, out_dir: str | Path, dtype: str | torch.dtype | None = None) -> Path:
     """Write ``module``'s policy, tokenizer and generation config to ``out_dir`` as a Hugging Face folder.
 
     Args:
         module: a module whose policy is built (``configure_model`` ran, as ``load_from_checkpoint`` does).
         out_dir: the folder to write (created if needed).
-        dtype: cast the weights to this ``torch`` dtype name (``bfloat16``, ``float16``, ...); default: as trained.
+        dtype: cast the weights to this ``torch`` dtype (or its name: ``bfloat16``, ``float16``, ...); default:
+            the policy's as it is.
     """
     if module.policy is None:
         module.configure_model()
     policy = merged_policy(module.policy).eval()
     if dtype is not None:
-        policy = policy.to(getattr(torch, dtype))
+        policy = policy.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
     tokenizer, sampling = module.tokenizer, module.sampling
     generation = policy.generation_config
     generation.pad_token_id, generation.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
@@ -63,13 +81,24 @@ def export_module(module: GRPOModule, out_dir: str | Path, dtype: str | None = N
 
 
 def export_checkpoint(
-    ckpt_path: str | Path, out_dir: str | Path, *, dtype: str | None = None, model_name_or_path: str | None = None
+    ckpt_path: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: str | torch.dtype | None = None,
+    model_name_or_path: str | None = None,
 ) -> Path:
     """Load a Lightning checkpoint of ``GRPOModule`` (on CPU) and ``export_module`` its policy.
+
+    ``dtype`` None keeps the dtype the weights were trained in: the module is rebuilt in float32 and the
+    checkpoint's weights are loaded into it, so the checkpoint's own dtype is restored on export.
 
     The checkpoint is unpickled in full (``weights_only=False``), as ``trainer.fit/validate --ckpt_path`` does: its
     hyperparameters hold the run's config objects. Export only checkpoints you trust.
     """
+    if dtype is None:  # memory-mapped: the tensors are not read, only their dtypes
+        checkpoint = torch.load(str(ckpt_path), map_location="cpu", mmap=True, weights_only=False)
+        dtype = trained_dtype(checkpoint.get("state_dict") or {})
+        del checkpoint
     overrides = {} if model_name_or_path is None else {"model_name_or_path": model_name_or_path}
     module = GRPOModule.load_from_checkpoint(str(ckpt_path), map_location="cpu", weights_only=False, **overrides)
     return export_module(module, out_dir, dtype=dtype)
@@ -80,9 +109,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("ckpt", help="Lightning checkpoint (.ckpt) of a GRPO run")
     parser.add_argument("out_dir", help="folder to write the Hugging Face model to")
-    parser.add_argument("--dtype", help="cast the weights, e.g. bfloat16 (default: as trained)")
+    parser.add_argument("--dtype", help="cast the weights, e.g. bfloat16 (default: as trained, the checkpoint's)")
     parser.add_argument("--model-name-or-path", help="override the base model path recorded in the checkpoint")
     args = parser.parse_args(argv)
+    if args.dtype is not None and not isinstance(getattr(torch, args.dtype, None), torch.dtype):
+        parser.error(f"--dtype: {args.dtype!r} is not a torch dtype (e.g. float32, bfloat16, float16)")
     out = export_checkpoint(args.ckpt, args.out_dir, dtype=args.dtype, model_name_or_path=args.model_name_or_path)
     print(f"exported to {out}")
 

@@ -8,6 +8,7 @@ from lightning import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
+from grpo_lightning.config import ConfigError
 from grpo_lightning.rollout.batch import RolloutBatch
 
 
@@ -53,7 +54,9 @@ class CompletionsTable(Callback):
             key: prefix of the table keys.
         """
         if every_n_rounds < 1:
-            raise ValueError(f"every_n_rounds must be >= 1 (got {every_n_rounds})")
+            raise ConfigError(f"CompletionsTable.every_n_rounds must be >= 1 (got {every_n_rounds})")
+        if max_rows is not None and max_rows < 1:
+            raise ConfigError(f"CompletionsTable.max_rows must be >= 1, or null for all (got {max_rows})")
         self.every_n_rounds, self.max_rows, self.key = every_n_rounds, max_rows, key
         self._warned = False
 

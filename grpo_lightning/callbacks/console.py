@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from grpo_lightning.callbacks.completions import completion_rows, is_logging_round
+from grpo_lightning.config import ConfigError
 
 
 def _clip(value: object, max_chars: int) -> str:
@@ -33,8 +34,9 @@ class ConsoleSamples(Callback):
             max_chars: longer prompts and completions are cut to this many characters.
             seed: seed of the draw of the rows.
         """
-        if every_n_rounds < 1 or num_samples < 1:
-            raise ValueError(f"every_n_rounds and num_samples must be >= 1 (got {every_n_rounds}, {num_samples})")
+        for name, value in (("every_n_rounds", every_n_rounds), ("num_samples", num_samples), ("max_chars", max_chars)):
+            if value < 1:
+                raise ConfigError(f"ConsoleSamples.{name} must be >= 1 (got {value})")
         self.every_n_rounds, self.num_samples, self.max_chars, self.seed = every_n_rounds, num_samples, max_chars, seed
         self.console = Console()  # an attribute, not an argument: tests and notebooks may swap it
 

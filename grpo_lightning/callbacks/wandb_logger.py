@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import netrc
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -118,20 +117,21 @@ class LoggerSaveConfigCallback(SaveConfigCallback):
     """
 
     def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Runs on rank 0 only (``SaveConfigCallback.setup`` calls it there): nothing here may be a collective."""
         if not trainer.loggers:
             return
         config = yaml.safe_load(self.parser.dump(self.config, skip_none=False))
         for logger in trainer.loggers:
             logger.log_hyperparams(config_sections(config))
             if isinstance(logger, WandbLogger) and hasattr(logger.experiment, "save"):
-                self._save_config_file(logger.experiment, trainer)
+                self._save_config_file(logger.experiment)
 
-    def _save_config_file(self, run: Any, trainer: Trainer) -> None:
-        # A copy in the run's own folder: the file in log_dir may be overwritten by the next run.
-        source = Path(trainer.log_dir or ".") / self.config_filename
+    def _save_config_file(self, run: Any) -> None:
+        # Written into the run's own folder (the file in the log folder may be overwritten by the next run) from
+        # the parsed config, not copied from ``trainer.log_dir``: ``save_config`` runs on rank 0 only, and
+        # ``trainer.log_dir`` is a collective (a broadcast from rank 0) that the other ranks would never join.
+        # Every later collective of rank 0 would then pair with an earlier one of theirs, until one waits forever
+        # (rank 0 in ``ModelCheckpoint.setup``'s broadcast, the others at Lightning's post-setup barrier).
         target = Path(run.dir) / self.config_filename
-        if source.is_file():
-            shutil.copyfile(source, target)
-        else:
-            self.parser.save(self.config, str(target), skip_none=False, overwrite=True)
+        self.parser.save(self.config, str(target), skip_none=False, overwrite=True)
         run.save(str(target), base_path=run.dir, policy="now")

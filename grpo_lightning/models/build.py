@@ -9,7 +9,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
-from grpo_lightning.validation import fix_special_tokens, model_eos_token_id
+from grpo_lightning.validation import (
+    check_model_source,
+    fix_special_tokens,
+    model_eos_token_id,
+    model_source_error,
+)
 
 
 def load_tokenizer(model_name_or_path: str | None) -> PreTrainedTokenizerBase:
@@ -18,7 +23,11 @@ def load_tokenizer(model_name_or_path: str | None) -> PreTrainedTokenizerBase:
     (masked out everywhere), each with a warning."""
     if model_name_or_path is None:
         return build_char_tokenizer()
-    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+    check_model_source(model_name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+    except OSError as err:  # not on the Hub, no network, a private repository: one line that names the setting
+        raise model_source_error(model_name_or_path, err) from err
     tokenizer.padding_side = "left"
     eos = model_eos_token_id(model_name_or_path) if tokenizer.eos_token is None else None
     return fix_special_tokens(tokenizer, model_name_or_path, eos)
@@ -38,6 +47,41 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=torch.get_default_dtype())
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
+
+
+# Float attributes through which Hugging Face attention classes read their dropout probability (Llama, Qwen,
+# Mistral: ``attention_dropout``; others keep an ``nn.Dropout`` module, handled by type).
+_DROPOUT_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout", "dropout_p", "hidden_dropout")
+_DROPOUT_MODULES = (
+    torch.nn.Dropout,
+    torch.nn.Dropout1d,
+    torch.nn.Dropout2d,
+    torch.nn.Dropout3d,
+    torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
+)
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Set every dropout probability of ``model`` to 0, in modules and in attention classes' float attributes.
+
+    GRPO's ratio compares the update's π_θ with the π_old that sampled (in eval mode, no dropout): with dropout on
+    in the update, π_θ is a different, noisy distribution and the ratio is off 1 from the first step. The model's
+    config is left as it is, so an exported model keeps its dropout for later fine-tuning. Returns how many
+    settings were changed.
+    """
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, _DROPOUT_MODULES):
+            changed += module.p != 0
+            module.p = 0.0
+            continue
+        for name in _DROPOUT_ATTRIBUTES:
+            value = getattr(module, name, None)
+            if isinstance(value, float) and not isinstance(value, bool):
+                changed += value != 0
+                setattr(module, name, 0.0)
+    return changed
 
 
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:

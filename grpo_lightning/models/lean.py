@@ -285,6 +285,20 @@ def run_prompts(
     return hidden, keys, values
 
 
+def _repeat_rows(x: Tensor, index: Tensor) -> Tensor:
+    """``x[index]`` along dim 0, with a backward that sums repeated rows in the same order at every run.
+
+    Why: a row of ``x`` repeated in ``index`` gets the sum of its copies' gradients, and the two ways to index
+    sum them differently on each device. On CPU, the backward of ``x[index]`` (``index_put_`` with accumulate)
+    adds large float tensors with parallel atomic adds when there are several threads, in an order that varies
+    from run to run (unless ``torch.use_deterministic_algorithms``), so two identical runs drift apart in the
+    last bits from the first optimizer step on; the backward of ``index_select`` (``index_add_``) adds in index
+    order. On CUDA it is the other way round: ``x[index]``'s backward sorts the indices and sums each row's
+    copies in order, while ``index_add_`` uses atomics.
+    """
+    return x.index_select(0, index) if x.device.type == "cpu" else x[index]
+
+
 def shared_prompt_hidden(
     model: nn.Module,
     prompt_ids: Tensor,
@@ -302,7 +316,9 @@ def shared_prompt_hidden(
     rows, length = completion_ids.shape
     first, inverse, padded = groups if groups is not None else prompt_groups(prompt_ids, prompt_mask)
     prompt_hidden, keys, values = run_prompts(model, prompt_ids[first], prompt_mask[first], padded)
-    last = prompt_hidden[inverse, -1:]  # left padding: the last position is every prompt's last token
+    # Left padding: the last position is every prompt's last token. ``_repeat_rows``, not ``[inverse]``: a
+    # deterministic backward (the same below for the keys and values).
+    last = _repeat_rows(prompt_hidden[:, -1:], inverse)
     if length == 1:
         return final_norm(model, last)
     # The last completion token predicts nothing: the completion pass runs the first T - 1 tokens.
@@ -314,7 +330,10 @@ def shared_prompt_hidden(
     mask = torch.cat([prompt_part, causal.expand(rows, -1, -1)], dim=-1)[:, None]
 
     def attend_to_prompt(layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        return torch.cat([keys[layer][inverse], k], dim=2), torch.cat([values[layer][inverse], v], dim=2)
+        return (
+            torch.cat([_repeat_rows(keys[layer], inverse), k], dim=2),
+            torch.cat([_repeat_rows(values[layer], inverse), v], dim=2),
+        )
 
     hidden = decoder_hidden(model, inputs, positions, mask, attend_to_prompt)
     return final_norm(model, torch.cat([last, hidden], dim=1))

@@ -45,10 +45,16 @@ class TinyModelConfig:
     max_position_embeddings: int = 128
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"tiny_model.hidden_size ({self.hidden_size}) must be a multiple of tiny_model.num_heads "
-                f"({self.num_heads})"
+        from grpo_lightning.config import ConfigError
+
+        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.tiny_model.{name} must be >= 1 (got {getattr(self, name)})")
+        # Rotary embeddings rotate pairs of each head's dimensions: a head needs an even number of them.
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
+            raise ConfigError(
+                f"model.tiny_model.hidden_size ({self.hidden_size}) must be a multiple of model.tiny_model.num_heads "
+                f"({self.num_heads}) with an even quotient (each head's size)"
             )
 
 

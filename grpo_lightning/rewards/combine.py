@@ -11,6 +11,7 @@ import functools
 import math
 import numbers
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -34,6 +35,9 @@ class RewardSpec:
         from grpo_lightning.rewards import get
 
         fn = get(self.name)
+        check = getattr(fn, "check_kwargs", None)
+        if check is not None:
+            check(**self.kwargs)  # the function refuses settings that cannot work now, before training starts
         return functools.partial(fn, **self.kwargs) if self.kwargs else fn
 
 
@@ -67,25 +71,35 @@ def time_limit(seconds: float | None) -> Iterator[object | None]:
     if seconds is None or seconds <= 0 or not alarm_available():
         yield None
         return
-    outer_remaining = signal.getitimer(signal.ITIMER_REAL)[0]
+    outer_remaining, outer_interval = signal.getitimer(signal.ITIMER_REAL)
     if outer_remaining and outer_remaining <= seconds:
         yield None  # the enclosing limit ends first and raises its own exception
         return
     token = object()
+    closed = [False]
 
     def on_alarm(signum: int, frame: Any) -> None:
+        handling = sys.exc_info()[1]
+        if closed[0] or (isinstance(handling, TimeLimitExceeded) and handling.token is token):
+            return  # the block is ending, or this limit's exception is already on its way out of it
         raise TimeLimitExceeded(seconds, token)
 
     start = time.monotonic()
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    # Fires again every ``min(seconds, 0.1)`` until the block ends. Why: Python discards an exception raised inside a
+    # finalizer (``__del__``, weakref callbacks, run by the garbage collector at any allocation) or C code that
+    # clears errors; the alarm lands there now and then, and a one-shot timer then let the block run to its end
+    # (a sympy check limited to 0.3 s ran its full 7 s in the test suite, among torch's and Lightning's objects).
+    signal.setitimer(signal.ITIMER_REAL, seconds, min(seconds, 0.1))
     try:
         yield token
     finally:
+        closed[0] = True  # first: no further alarm raises, whatever is pending
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
         if outer_remaining:
-            signal.setitimer(signal.ITIMER_REAL, max(outer_remaining - (time.monotonic() - start), 1e-4))
+            remaining = max(outer_remaining - (time.monotonic() - start), 1e-4)
+            signal.setitimer(signal.ITIMER_REAL, remaining, outer_interval)
 
 
 def call_with_time_limit(fn: Callable[..., Any], seconds: float | None, *args: Any, **kwargs: Any) -> Any:

@@ -2,13 +2,15 @@
 
 Two pure helpers do the work:
 
-* :func:`extract_answer` finds the final answer in free text: ``<answer>…</answer>``, ``\\boxed{…}`` / ``\\fbox{…}``
-  (nested braces, ``\\boxed 5``), GSM8K's ``#### 42``, "The answer is …", and, only when asked, the last number.
+* :func:`extract_answer` (``math_extract``) finds the final answer in free text: ``<answer>…</answer>``,
+  ``\\boxed{…}`` / ``\\fbox{…}``, GSM8K's ``#### 42``, "The answer is …", and, only when asked, the last number.
 * :func:`is_equivalent` decides whether two answers are the same mathematical object: numbers with thousands
   separators, decimals, fractions (``a/b``, ``\\frac``, ``\\dfrac``, mixed ``1\\frac{1}{2}``), percentages, units,
-  ``$`` and LaTeX spacing stripped, tuples / intervals / sets element-wise, and symbolic expressions checked by
+  ``$`` and LaTeX spacing stripped (``math_forms.normalize``), matrices, unions, ``\\pm``, numbers in another base,
+  tuples / intervals / sets (``math_forms.compare_structured``), equations, and symbolic expressions checked by
   sympy under a time limit that really stops it (SIGALRM in the main thread, a worker process elsewhere).
 
+``math_accuracy(backend=...)`` can also judge with Hugging Face's ``math-verify`` (``math_backends``).
 Model output never reaches ``eval``: LaTeX is turned into tokens from a small whitelist before sympy parses it.
 """
 
@@ -21,120 +23,22 @@ import select
 import subprocess
 import sys
 import threading
+import time
 from fractions import Fraction
 from subprocess import DEVNULL, PIPE
 from typing import Any
 
 from grpo_lightning.rewards import register
 from grpo_lightning.rewards.combine import TimeLimitExceeded, alarm_available, time_limit
+from grpo_lightning.rewards.math_backends import check_math_kwargs, math_verify_equivalent, stop_worker
+from grpo_lightning.rewards.math_extract import DEFAULT_MODES, extract_answer, last_boxed, reference_answer
+from grpo_lightning.rewards.math_extract import read_group as _read_group
+from grpo_lightning.rewards.math_forms import compare_structured, normalize
 
-DEFAULT_MODES = ("answer_tag", "boxed", "hashes", "answer_is")
-
-# ------------------------------------------------------------------------------------------------ extraction
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
-_HASHES = re.compile(r"####[ \t]*([^\n]+)")
-_ANSWER_IS = re.compile(r"\banswer\s*(?:is\s*:?|:|=)", re.IGNORECASE)
-_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+")
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{…}`` or ``\\fbox{…}`` (nested braces kept), or of ``\\boxed 5``."""
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
-        return None
-    i = start + (6 if text.startswith("\\boxed", start) else 5)
-    if text[i : i + 1] == "{":
-        try:
-            return _read_group(text, i)[0].strip()
-        except ValueError:
-            return None  # unbalanced: the completion was cut off
-    match = re.match(r"\s+([^\s$]+)", text[i:])
-    return match.group(1) if match else None
-
-
-def _answer_is(text: str) -> str | None:
-    markers = list(_ANSWER_IS.finditer(text))
-    if not markers:
-        return None
-    rest = text[markers[-1].end() :].split("\n", 1)[0]
-    rest = re.split(r"\.\s", rest, maxsplit=1)[0].strip(" *:$")
-    return rest.removesuffix(".").strip(" *$") or None
-
-
-def _from_tag(text: str) -> str | None:
-    tags = _ANSWER_TAG.findall(text)
-    return (last_boxed(tags[-1]) or tags[-1].strip()) if tags else None
-
-
-def _from_hashes(text: str) -> str | None:
-    hashes = _HASHES.findall(text)
-    return hashes[-1].strip() if hashes else None
-
-
-_EXTRACTORS = {"answer_tag": _from_tag, "boxed": last_boxed, "hashes": _from_hashes, "answer_is": _answer_is}
-
-
-def extract_answer(text: str, modes: tuple[str, ...] = DEFAULT_MODES, last_number: bool = False) -> str | None:
-    """The final answer written in ``text``, or ``None`` when it has none.
-
-    ``modes`` are tried in order: ``answer_tag`` (the last ``<answer>…</answer>``; a ``\\boxed`` inside it wins),
-    ``boxed``, ``hashes`` (``#### 42``) and ``answer_is`` ("The final answer is $5$."). ``last_number=True`` adds
-    the last number of the text as a final fallback (off by default: it rewards rambling).
-    """
-    if not isinstance(text, str):
-        return None
-    for mode in modes:
-        if mode not in _EXTRACTORS:
-            raise ValueError(f"unknown extraction mode {mode!r}; use some of {', '.join(DEFAULT_MODES)}")
-        found = _EXTRACTORS[mode](text)
-        if found:
-            return found
-    if last_number:
-        numbers = _NUMBER.findall(text)
-        return numbers[-1] if numbers else None
-    return None
-
-
-def reference_answer(reference: object) -> str | None:
-    """The answer in a reference: after ``####`` or in ``\\boxed{}`` when present, else the whole text."""
-    if reference is None:
-        return None
-    text = str(reference).strip()
-    return extract_answer(text, modes=("hashes", "boxed")) or text or None
-
-
-# --------------------------------------------------------------------------------------------- normalisation
-_DROP = (r"\left", r"\right", r"\displaystyle", r"\!", r"\,", r"\;", r"\:", r"\quad", r"\qquad", "\\ ", "~")
-_TEXT_CMD = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
-_UNICODE = {"−": "-", "–": "-", "×": r"\times", "÷": "/", "·": r"\cdot", "∞": r"\infty", "π": r"\pi", "√": r"\sqrt"}
-
-
-def normalize(answer: str) -> str:
-    """A canonical string for an answer: delimiters, ``$``, spacing, units, degrees and ``\\text`` removed."""
-    s = answer.strip()
-    boxed = last_boxed(s)
-    s = boxed if boxed is not None else s
-    for old, new in _UNICODE.items():
-        s = s.replace(old, new)
-    for token in _DROP:
-        s = s.replace(token, "")
-    s = re.sub(r"\\[dt]frac", r"\\frac", s)
-    s = re.sub(r"\^\s*\{?\\circ\}?|\\circ|°|\bdegrees?\b", "", s)
-    s = s.replace("\\%", "%").replace("\\$", "").replace("$", "").replace("{,}", ",")
-    s = re.sub(r"^\\\(|\\\)$|^\\\[|\\\]$", "", s.strip())
-    texts = _TEXT_CMD.findall(s)
-    without = _TEXT_CMD.sub(" ", s)
-    s = without if texts and re.search(r"\d", without) else _TEXT_CMD.sub(lambda m: m.group(1), s)
-    s = s.strip().removesuffix(".").strip()
-    if s.count("=") == 1 and re.match(r"^\s*[a-zA-Z](?:_\{?\w+\}?)?\s*=", s):
-        s = s.split("=", 1)[1].strip()  # "x = 5" -> "5"
-    unit = re.fullmatch(r"(-?[\d.,]*\d%?)(?:\s+[a-zA-Z]+\.?)+", s)
-    if unit and not re.search(r"\\", s):
-        s = unit.group(1)  # "18 dollars", "5 cm"
-    if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?%?", s):
-        s = s.replace(",", "")  # thousands separators
-    letter = re.fullmatch(r"\(?([A-Ea-e])\)", s)
-    return letter.group(1) if letter else s.strip()
+__all__ = [
+    "DEFAULT_MODES", "clear_caches", "extract_answer", "is_equivalent", "last_boxed", "latex_to_expression",
+    "math_accuracy", "normalize", "reference_answer", "to_number",
+]  # fmt: skip
 
 
 def _compact(s: str) -> str:
@@ -162,24 +66,6 @@ def to_number(s: str) -> tuple[Fraction, bool] | None:
     return None
 
 
-def _split_top_level(s: str) -> tuple[str, list[str]] | None:
-    """``(brackets, items)`` for ``(a, b)``, ``[a, b)``, ``\\{a, b\\}`` or a bare ``a, b``; None for one item."""
-    s = s.replace("\\{", "{").replace("\\}", "}")
-    opening, closing = "", ""
-    if len(s) >= 2 and s[0] in "([{" and s[-1] in ")]}":
-        opening, closing, s = s[0], s[-1], s[1:-1]
-    items, depth, current = [], 0, ""
-    for char in s:
-        depth += 1 if char in "([{" else -1 if char in ")]}" else 0
-        if char == "," and depth == 0:
-            items.append(current.strip())
-            current = ""
-        else:
-            current += char
-    items.append(current.strip())
-    return (opening + closing, items) if len(items) > 1 else None
-
-
 # ------------------------------------------------------------------------------------------ sympy (guarded)
 _LATEX_WORDS = dict(
     pair.split("=")
@@ -187,22 +73,6 @@ _LATEX_WORDS = dict(
     r"\tan=tan \arcsin=asin \arccos=acos \arctan=atan".split()
 )
 _TOKEN = re.compile(r"\s*(\d+\.?\d*|\.\d+|[A-Za-z]+\d*|\*\*|[-+*/^(),])")
-
-
-def _read_group(s: str, i: int) -> tuple[str, int]:
-    """The argument of a LaTeX command at ``s[i]``: a braced group or a single character."""
-    while s[i : i + 1] == " ":
-        i += 1
-    if s[i : i + 1] != "{":
-        if i >= len(s):
-            raise ValueError("missing argument")
-        return s[i], i + 1
-    depth = 0
-    for j in range(i, len(s)):
-        depth += {"{": 1, "}": -1}.get(s[j], 0)
-        if depth == 0:
-            return s[i + 1 : j], j + 1
-    raise ValueError("unbalanced braces")
 
 
 def latex_to_expression(s: str) -> str:
@@ -331,11 +201,39 @@ def _sympy_equal_limited(a: str, b: str, timeout_s: float) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------- equivalence
+_BUDGET = threading.local()  # .deadline: time.monotonic() at which the check running in this thread must stop
+
+
+def _time_left() -> float:
+    deadline = getattr(_BUDGET, "deadline", None)
+    return float("inf") if deadline is None else deadline - time.monotonic()
+
+
 def is_equivalent(pred: str | None, ref: str | None, timeout_s: float = 2.0) -> bool:
-    """Whether two extracted answers denote the same value (see the module docstring for what is understood)."""
+    """Whether two extracted answers denote the same value (see the module docstring for what is understood).
+
+    ``timeout_s`` bounds the whole check: each sympy call gets what is left of it, and whatever is still to be
+    compared once it is spent counts as different.
+    """
     if pred is None or ref is None or not str(pred).strip() or not str(ref).strip():
         return False
-    return _equivalent(normalize(str(pred)), normalize(str(ref)), timeout_s)
+    outer = getattr(_BUDGET, "deadline", None)
+    _BUDGET.deadline = time.monotonic() + timeout_s
+    try:
+        return _equivalent(normalize(str(pred)), normalize(str(ref)), timeout_s)
+    finally:
+        _BUDGET.deadline = outer
+
+
+def _sympy_within_budget(p: str, r: str, timeout_s: float) -> bool:
+    left = min(timeout_s, _time_left())
+    if left <= 0:
+        return False
+    try:
+        a, b = (latex_to_expression(x.replace("%", "/100")) for x in (p, r))
+        return _sympy_equal_limited(a, b, left)
+    except Exception:  # outside the whitelist, or sympy cannot parse / compare it: not equivalent
+        return False
 
 
 @functools.lru_cache(maxsize=8192)
@@ -347,27 +245,35 @@ def _equivalent(p: str, r: str, timeout_s: float) -> bool:
         p_values = {pn[0], pn[0] / 100} if pn[1] else {pn[0]}
         r_values = {rn[0], rn[0] / 100} if rn[1] else {rn[0]}
         return bool(p_values & r_values)
-    p_items, r_items = _split_top_level(p), _split_top_level(r)
-    if p_items or r_items:
-        if not (p_items and r_items) or (p_items[0], len(p_items[1])) != (r_items[0], len(r_items[1])):
-            return False
-        if p_items[0] in ("", "{}"):  # bare lists and sets: order does not matter
-            left = list(r_items[1])
-            for item in p_items[1]:
-                match = next((x for x in left if _equivalent(item, x, timeout_s)), None)
-                if match is None:
-                    return False
-                left.remove(match)
-            return True
-        return all(_equivalent(a, b, timeout_s) for a, b in zip(p_items[1], r_items[1], strict=True))
+
+    def same(a: str, b: str) -> bool:
+        return _time_left() > 0 and _equivalent(a, b, timeout_s)
+
+    structured = compare_structured(p, r, same)
+    if structured is not None:
+        return structured
     if p.count("=") == 1 and r.count("=") == 1:
         (pl, pr), (rl, rr) = p.split("="), r.split("=")
-        return _equivalent(pl, rl, timeout_s) and _equivalent(pr, rr, timeout_s)
-    try:
-        a, b = (latex_to_expression(x.replace("%", "/100")) for x in (p, r))
-        return _sympy_equal_limited(a, b, timeout_s)
-    except Exception:  # outside the whitelist, or sympy cannot parse / compare it: not equivalent
+        if same(pl, rl) and same(pr, rr):
+            return True
+        # The same equation with terms moved (or its sides swapped): equal differences of the two sides.
+        moved = f"({pl})-({pr})"
+        return any(_sympy_within_budget(moved, other, timeout_s) for other in (f"({rl})-({rr})", f"({rr})-({rl})"))
+    return _sympy_within_budget(p, r, timeout_s)
+
+
+def clear_caches() -> None:
+    """Forget every cached verdict and stop the math-verify worker (for benchmarks: each run starts cold)."""
+    _equivalent.cache_clear()
+    stop_worker()
+
+
+def _judge(pred: str | None, ref: str, backend: str, timeout_s: float) -> bool:
+    if pred is None or not pred.strip():
         return False
+    if backend != "math_verify" and is_equivalent(pred, ref, timeout_s):
+        return True
+    return backend != "builtin" and math_verify_equivalent(pred, ref, timeout_s)
 
 
 @register("math_accuracy")
@@ -379,20 +285,25 @@ def math_accuracy(
     modes: tuple[str, ...] | list[str] = DEFAULT_MODES,
     last_number: bool = False,
     timeout_s: float = 2.0,
+    backend: str = "builtin",
     **_: object,
 ) -> list[float | None]:
     """1.0 when the completion's final answer is mathematically equivalent to the reference, else 0.0.
 
     The answer is found by :func:`extract_answer` (``modes``, ``last_number``); the reference is the ``answer``
     column (a bare answer, a GSM8K solution ending in ``#### N`` or a MATH solution with ``\\boxed{}``). A row whose
-    reference is missing gives None. ``timeout_s`` bounds each sympy check.
+    reference is missing gives None. ``backend`` judges equivalence: ``builtin`` (:func:`is_equivalent`),
+    ``math_verify`` (Hugging Face's math-verify, the ``math`` extra) or ``either`` (1.0 when one of them accepts).
+    ``timeout_s`` bounds each check (per backend).
     """
+    check_math_kwargs(modes=modes, backend=backend)
     scores: list[float | None] = []
     for completion, reference in zip(completions, answer, strict=True):
         ref = reference_answer(reference)
         pred = extract_answer(completion, tuple(modes), last_number) if ref is not None else None
-        scores.append(None if ref is None else float(is_equivalent(pred, ref, timeout_s)))
+        scores.append(None if ref is None else float(_judge(pred, ref, backend, timeout_s)))
     return scores
 
 
 math_accuracy.required_columns = ("answer",)
+math_accuracy.check_kwargs = check_math_kwargs  # RewardSpec.build calls it: a bad backend is refused before training

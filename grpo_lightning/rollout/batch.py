@@ -26,7 +26,7 @@ class RolloutBatch:
     rewards: Tensor  # [N] weighted total reward
     loss_mask: Tensor | None = None  # [N, T] tokens that count in the loss (default: completion_mask)
     advantages: Tensor | None = None  # [N] (or [N, T] for process rewards)
-    old_logprobs: Tensor | None = None  # [N, T], only when μ > 1
+    old_logprobs: Tensor | None = None  # [N, T], only when the round has more than one optimizer step
     ref_logprobs: Tensor | None = None  # [N, T], only when β > 0
     prompts: list[str] = field(default_factory=list)  # [N] texts, for logging and reward functions
     completions: list[str] = field(default_factory=list)

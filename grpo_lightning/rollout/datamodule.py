@@ -125,7 +125,10 @@ class RolloutDataModule(LightningDataModule):
         self.dynamic_sampling, self.max_sampling_rounds = dynamic_sampling, max_sampling_rounds
         self.train_data: Dataset | None = None
         self.val_data: Dataset | None = None
-        self.position = 0  # prompts consumed so far, over all ranks: the resumable place in the stream
+        # The resumable place in the prompt stream: prompts consumed so far, over all ranks. Each rank keeps its
+        # own: with dynamic sampling a rank that refills more often advances further (it uses its own slot of
+        # each window of prompts_per_round × world prompts, so the ranks never draw the same prompt).
+        self.position = 0
         self.last_rollout: RolloutBatch | None = None
         self._order: tuple[int, torch.Tensor] | None = None  # (pass over the dataset, its shuffled order)
         self.curriculum = CurriculumSampler(curriculum, seed) if curriculum is not None else None
@@ -216,19 +219,20 @@ class RolloutDataModule(LightningDataModule):
         sum_across_ranks = None
         if self.trainer.world_size > 1:
             sum_across_ranks = lambda t: module.all_gather(t).sum(0)  # noqa: E731
+        rollout_size = self.prompts_per_round * module.sampling.group_size  # dynamic sampling keeps it fixed
+        mini = self.mini_batch_size or rollout_size
         # The Trainer's precision as in training_step; FSDP2: the policy's weights gathered once for the round.
         with rollout_context(module):
             self.last_rollout = collect_rollout(
                 module,
                 self.next_prompts,
+                optimizer_steps=module.objective.num_iterations * (rollout_size // mini),
                 dynamic_sampling=self.dynamic_sampling,
                 max_sampling_rounds=self.max_sampling_rounds,
                 all_gather=module.all_gather,
             )
         if self.curriculum is not None:  # feed the round's pass rates back; adds curriculum/ metrics to the rollout
             self.curriculum.observe(self.last_rollout, lambda i: self.train_data[i]["prompt"], module)
-        rollout_size = len(self.last_rollout)
-        mini = self.mini_batch_size or rollout_size
         batches = self.last_rollout.micro_batches(
             micro_batch_size=self.micro_batch_size or mini,
             mini_batch_size=mini,
@@ -258,10 +262,21 @@ class RolloutDataModule(LightningDataModule):
         return DataLoader(data, batch_size=self.val_batch_size, shuffle=False, collate_fn=_collate_rows)
 
     # ------------------------------------------------------------------------------------- checkpoints
+    def _positions_of_all_ranks(self) -> list[int]:
+        """Every rank's stream position (a collective under data parallelism: called on every rank, as Lightning
+        calls ``state_dict`` when it saves a checkpoint)."""
+        if self.trainer is None or self.trainer.world_size == 1:
+            return [self.position]
+        strategy = self.trainer.strategy
+        gathered = strategy.all_gather(torch.tensor(self.position, device=strategy.root_device))
+        return [int(p) for p in gathered.flatten().tolist()]
+
     def state_dict(self) -> dict[str, Any]:
-        """The place in the prompt stream; the order itself is a function of the seed and the position."""
+        """The place in the prompt stream of every rank; the order is a function of the seed and the position."""
+        positions = self._positions_of_all_ranks()
         state = {
-            "position": self.position,
+            "position": positions[0],  # rank 0's, as checkpoints without ``positions`` have it
+            "positions": positions,
             "seed": self.seed,
             "dataset": self.source,
             "prompts_per_round": self.prompts_per_round,
@@ -272,9 +287,23 @@ class RolloutDataModule(LightningDataModule):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue the prompt stream where the checkpoint left it (the data settings should be the same)."""
-        position = state_dict.get("position")
-        if not isinstance(position, int) or position < 0:
-            raise ConfigError(f"the checkpoint's prompt stream position is {position!r}, not a count of prompts")
+        positions = state_dict.get("positions") or [state_dict.get("position")]
+        if not all(isinstance(p, int) and p >= 0 for p in positions):
+            raise ConfigError(f"the checkpoint's prompt stream position is {positions!r}, not a count of prompts")
+        world = self.trainer.world_size if self.trainer is not None else 1
+        rank = self.trainer.global_rank if self.trainer is not None else 0
+        if len(positions) == world:
+            position = positions[rank]
+        else:
+            # Another number of processes: continue after the furthest rank, so no prompt is drawn twice.
+            position = max(positions)
+            if "positions" in state_dict:
+                log.warning(
+                    "the checkpoint's prompt stream was drawn by %d processes, this run has %d: continuing at %d",
+                    len(positions),
+                    world,
+                    position,
+                )
         self.position = position
         changed = [
             f"data.{key}={state_dict[key]!r}"

@@ -41,6 +41,24 @@ class Completions:
     logprobs: Tensor | None = None
 
 
+# ``_cumsum_unit_``'s fixed point under deterministic algorithms off the CPU: steps of 2^-40, and a sum of up to
+# 2^23 values in [0, 1] still fits in int64.
+_FIXED_POINT = float(1 << 40)
+
+
+def _cumsum_unit_(x: Tensor) -> Tensor:
+    """``x.cumsum_(-1)`` of values in [0, 1], in place.
+
+    Under ``torch.use_deterministic_algorithms`` (``trainer.deterministic``) off the CPU, where torch has no
+    deterministic cumsum of floats and raises, the values are rounded to multiples of 2^-40 and summed exactly as
+    int64 (in any order), so sampling and top-p work there too, bit for bit the same at every run.
+    """
+    if x.device.type == "cpu" or not torch.are_deterministic_algorithms_enabled():
+        return x.cumsum_(-1)
+    fixed = x.double().mul_(_FIXED_POINT).round_().long().cumsum_(-1)
+    return x.copy_(fixed.double().div_(_FIXED_POINT))
+
+
 def filter_logits(logits: Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     """Temperature, then top-k, then top-p (nucleus) filtering; removed tokens get -inf."""
     if temperature != 1.0:  # a full pass over [B, V] saved in the common case
@@ -52,7 +70,7 @@ def filter_logits(logits: Tensor, *, temperature: float = 1.0, top_k: int = 0, t
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         probs = sorted_logits.softmax(-1)
         # Drop a token when the tokens ranked above it already hold top_p of the mass; the first always stays.
-        drop_sorted = probs.cumsum(-1) - probs >= top_p
+        drop_sorted = _cumsum_unit_(probs.clone()) - probs >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
@@ -77,7 +95,7 @@ def sample_next(
     logits = filter_logits(logits.float(), temperature=temperature, top_k=top_k, top_p=top_p)
     # Unnormalised probabilities: comparing against u × total mass is the same as normalising first. Filtered
     # tokens have zero mass, so the cumulative sum is flat there and they are never the first index reaching u.
-    cdf = (logits - logits.amax(-1, keepdim=True)).exp_().cumsum_(-1)
+    cdf = _cumsum_unit_((logits - logits.amax(-1, keepdim=True)).exp_())
     uniform = torch.rand(cdf.size(0), 1, device=cdf.device, generator=generator)
     threshold = (1.0 - uniform) * cdf[:, -1:]  # in (0, total]: never selects a token of zero mass at index 0
     return (cdf < threshold).sum(-1).clamp_(max=cdf.size(-1) - 1)
@@ -189,8 +207,9 @@ def sample_completions(
     """Sample ``group_size`` completions for each left-padded prompt in ``prompt_ids`` ``[B, P]``.
 
     With ``return_logprobs``, ``Completions.logprobs`` holds each drawn token's log-probability under the tempered
-    distribution of the sampling policy, which is what GRPO's old-policy log-probs are when μ > 1. With ``lean``
-    (and a model it supports, see ``grpo_lightning.models.lean``), the steps run on the lean forward.
+    distribution of the sampling policy, which is what GRPO's old-policy log-probs are when a round has several
+    optimizer steps. With ``lean`` (and a model it supports, see ``grpo_lightning.models.lean``), the steps run on
+    the lean forward.
     """
     decoder = LeanDecoder(model) if lean and lean_unsupported(model) is None else _ModelDecoder(model)
     device = prompt_ids.device

@@ -25,11 +25,15 @@ def collect_rollout(
     module: GRPOModule,
     next_rows: Callable[[], dict[str, list[Any]]],
     *,
+    optimizer_steps: int,
     dynamic_sampling: bool = False,
     max_sampling_rounds: int = 4,
     all_gather: Callable[[Tensor], Tensor] | None = None,
 ) -> RolloutBatch:
     """Sample G completions for each prompt of ``next_rows()``, score them and compute what the loss needs.
+
+    ``optimizer_steps`` is how many optimizer steps the round will take (μ × mini-batches per pass): with more
+    than one, π_old's log-probs are recorded, since every step after the first trains off-policy.
 
     ``next_rows`` returns the next prompts (a dict of columns: ``prompt`` and the dataset's other columns).
     With ``dynamic_sampling`` (DAPO), groups whose rewards are all equal are dropped and more prompts are drawn,
@@ -39,11 +43,18 @@ def collect_rollout(
     """
     objective, group_size = module.objective, module.sampling.group_size
     timings = {"generate": 0.0, "score": 0.0}
-    batch = sample_and_score(module, next_rows(), timings)  # 1. generate (π_old), 2. score
+    record_old = optimizer_steps > 1
+    batch = sample_and_score(module, next_rows(), timings, record_old=record_old)  # 1. generate (π_old), 2. score
     generated = len(batch)
     if dynamic_sampling:
         batch, generated, rounds = refill_informative(
-            module, batch, next_rows, timings, group_size=group_size, max_rounds=max_sampling_rounds
+            module,
+            batch,
+            next_rows,
+            timings,
+            group_size=group_size,
+            max_rounds=max_sampling_rounds,
+            record_old=record_old,
         )
     batch.advantages = compute_advantages(batch, module, all_gather)  # 3. group-relative advantages
     batch.loss_mask = batch.completion_mask.clone()
@@ -51,7 +62,8 @@ def collect_rollout(
         batch.loss_mask[batch.truncated] = 0  # DAPO overlong filtering: truncated completions teach nothing
 
     start = time.perf_counter()
-    batch.old_logprobs, batch.ref_logprobs = module.rollout_logprobs(batch)  # 4. log-probs (old if μ > 1, ref if β > 0)
+    # 4. log-probs: π_old if the round has several optimizer steps, π_ref if β > 0
+    batch.old_logprobs, batch.ref_logprobs = module.rollout_logprobs(batch, record_old=record_old)
     timings["logprobs"] = time.perf_counter() - start
 
     batch.metrics = rollout_metrics(batch, group_size, timings)
@@ -62,11 +74,16 @@ def collect_rollout(
     return batch
 
 
-def sample_and_score(module: GRPOModule, rows: dict[str, list[Any]], timings: dict[str, float]) -> RolloutBatch:
-    """Generate G completions per prompt and score them with every reward function."""
+def sample_and_score(
+    module: GRPOModule, rows: dict[str, list[Any]], timings: dict[str, float], *, record_old: bool = False
+) -> RolloutBatch:
+    """Generate G completions per prompt and score them with every reward function.
+
+    ``record_old``: the round needs π_old's log-probs (kept from the sampler when ``old_logprobs`` allows).
+    """
     group_size = module.sampling.group_size
     start = time.perf_counter()
-    sampler_logprobs = module.old_logprobs_from_sampler()
+    sampler_logprobs = module.old_logprobs_from_sampler(record_old)
     completions = module.generate(rows["prompt"], return_logprobs=sampler_logprobs)
     texts = module.decode(completions.completion_ids, completions.completion_mask)
     timings["generate"] += time.perf_counter() - start
@@ -89,7 +106,7 @@ def sample_and_score(module: GRPOModule, rows: dict[str, list[Any]], timings: di
         prompts=prompts,
         completions=texts,
         reward_columns=per_function,
-        old_logprobs=completions.logprobs,  # π_old from the sampler itself (μ > 1), or None: computed later
+        old_logprobs=completions.logprobs,  # π_old from the sampler itself, or None: computed later if needed
     )
     if steps is not None:  # process rewards: one value per step, kept apart from the outcome total
         batch.step_rewards, batch.step_ends = steps
@@ -110,6 +127,7 @@ def refill_informative(
     *,
     group_size: int,
     max_rounds: int,
+    record_old: bool,
 ) -> tuple[RolloutBatch, int, int]:
     """DAPO dynamic sampling: keep informative groups, draw more prompts until there are enough of them."""
     wanted = len(batch) // group_size
@@ -122,7 +140,7 @@ def refill_informative(
             (kept if useful else spare).append(batch.select(rows))
         if len(kept) >= wanted or rounds >= max_rounds:
             break
-        batch = sample_and_score(module, next_rows(), timings)
+        batch = sample_and_score(module, next_rows(), timings, record_old=record_old)
         generated += len(batch)
         rounds += 1
     groups = (kept + spare)[:wanted]  # informative first; uninformative only to keep the size fixed
@@ -138,7 +156,7 @@ def compute_advantages(
     if batch.reward_columns:  # outcome rewards
         batch_std = None
         if objective.advantage_scale == "batch" and all_gather is not None:
-            batch_std = all_gather(batch.rewards).float().flatten().std(unbiased=False)
+            batch_std = all_gather(batch.rewards).float().flatten().std(unbiased=objective.advantage_std == "sample")
         advantages = group_advantages(
             batch.rewards,
             group_size,
@@ -146,10 +164,16 @@ def compute_advantages(
             baseline=objective.advantage_baseline,
             eps=objective.advantage_eps,
             batch_std=batch_std,
+            std=objective.advantage_std,
         )
     if batch.step_rewards is not None:  # process rewards (DeepSeekMath §4.1.3)
         per_token = process_advantages(
-            batch.step_rewards, batch.step_ends, batch.completion_mask, group_size, eps=objective.advantage_eps
+            batch.step_rewards,
+            batch.step_ends,
+            batch.completion_mask,
+            group_size,
+            eps=objective.advantage_eps,
+            std=objective.advantage_std,
         )
         advantages = per_token if advantages is None else per_token + advantages[:, None] * batch.completion_mask
     return advantages
