@@ -40,6 +40,7 @@ from grpo_lightning.rollout.generation import (
 )
 from grpo_lightning.rollout.steps import step_token_ends
 from grpo_lightning.strategies import broadcast_module, gathered, shard_model
+from grpo_lightning.validation import check_ranges
 
 _LOSS_OPTIONS = ("epsilon_low", "epsilon_high", "delta", "beta", "kl_estimator", "importance_sampling_level")
 
@@ -120,6 +121,7 @@ class GRPOModule(LightningModule):
         """
         super().__init__()
         self.save_hyperparameters()
+        check_ranges("model", self.hparams)  # the CLI checks these too; the same one-line errors from Python
         self.sampling = sampling or SamplingConfig()
         self.objective = objective or ObjectiveConfig()
         self.tiny_model = tiny_model or TinyModelConfig()

@@ -43,6 +43,8 @@ def test_draw_frequencies_follow_the_weights():
         [index] = sampler.draw(4, 1)
         counts[index] += 1
     frequencies = counts / draws
+    # A statistical bound, not a kernel's: over 4000 draws 0.03 is 3.9σ for p = 0.6 and 6.4σ for p = 0.1 (the
+    # draws are seeded, so the result is fixed as well).
     assert torch.allclose(frequencies, torch.tensor([0.2, 0.6, 0.1, 0.1]), atol=0.03), frequencies
     assert sampler._drawn.sum() == draws  # every draw is counted by the category it had
 
@@ -63,7 +65,7 @@ def test_in_band_prompts_dominate_once_rates_are_known():
     sampler = sampler_with_rates(rates)
     drawn = [i for _ in range(400) for i in sampler.draw(100, 1)]
     share = sum(1 for i in drawn if i < 10) / len(drawn)
-    assert abs(share - 10 / 19) < 0.08
+    assert abs(share - 10 / 19) < 0.08  # 3.2σ of a share over 400 draws (statistical, seeded)
 
 
 def _rollout(prompts: list[str], solved: list[list[float]]) -> SimpleNamespace:

@@ -230,7 +230,8 @@ def test_a_check_with_many_slow_parts_stays_within_its_time_limit() -> None:
     many = ", ".join(f"{slow} + {i}" for i in range(40))
     start = time.monotonic()
     assert is_equivalent(many, ", ".join(rf"\sin(x) + {i}" for i in range(40)), timeout_s=0.5) is False
-    assert time.monotonic() - start < 3.0
+    # A hang guard, not a speed test: unbounded, the 40 parts take minutes; 20x the limit absorbs a loaded machine.
+    assert time.monotonic() - start < 20 * 0.5
 
 
 # ----------------------------------------------------------------------------------------- backends

@@ -24,7 +24,7 @@ from grpo_lightning.rollout.curriculum import CurriculumConfig, CurriculumSample
 from grpo_lightning.rollout.round import collect_rollout
 from grpo_lightning.strategies import rollout_context
 from grpo_lightning.tasks import is_task, load_task
-from grpo_lightning.validation import check_prompts
+from grpo_lightning.validation import check_prompts, check_ranges
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,15 @@ class RolloutDataModule(LightningDataModule):
         self.val_batch_size, self.val_limit, self.seed = val_batch_size, val_limit, seed
         if max_sampling_rounds < 1:
             raise ConfigError(f"data.max_sampling_rounds must be >= 1 (got {max_sampling_rounds})")
+        check_ranges(
+            "data",
+            {
+                "mini_batch_size": mini_batch_size,
+                "micro_batch_size": micro_batch_size,
+                "val_batch_size": val_batch_size,
+                "val_limit": val_limit,
+            },
+        )
         self.dynamic_sampling, self.max_sampling_rounds = dynamic_sampling, max_sampling_rounds
         self.train_data: Dataset | None = None
         self.val_data: Dataset | None = None
