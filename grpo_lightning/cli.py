@@ -19,16 +19,21 @@ from typing import Any
 
 from lightning import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from grpo_lightning.callbacks.guard import NonFiniteError
+from grpo_lightning.callbacks.policy_sync import OldPolicySync
 from grpo_lightning.callbacks.wandb_logger import LoggerSaveConfigCallback
-from grpo_lightning.config import ConfigError, ObjectiveConfig, SamplingConfig
+from grpo_lightning.checkpoint_io import AtomicCheckpointIO
+from grpo_lightning.config import AdvantageConfig, ConfigError, EvalConfig, ObjectiveConfig, SamplingConfig
+from grpo_lightning.guard import NonFiniteError
 from grpo_lightning.lora import LoraConfig
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.rewards import RewardError, RewardSpec
+from grpo_lightning.rollout.curriculum import CurriculumConfig
 from grpo_lightning.rollout.datamodule import RolloutDataModule
+from grpo_lightning.sft import SFTDataModule, SFTModule
 from grpo_lightning.validation import check_checkpoint_hparams, check_setting_ranges, read_checkpoint_hparams
 
 # The settings a GRPO run needs from the Trainer: a fresh rollout every epoch, and no DistributedSampler
@@ -48,18 +53,25 @@ _KEY_SOURCES: dict[str, Any] = {
     "model": GRPOModule.__init__,
     "data": RolloutDataModule.__init__,
     "trainer": Trainer.__init__,
-    "model.sampling": SamplingConfig,
     "model.objective": ObjectiveConfig,
     "model.tiny_model": TinyModelConfig,
     "model.lora": LoraConfig,
-    "model.rewards": RewardSpec,
+    "data.sampling": SamplingConfig,
+    "data.advantage": AdvantageConfig,
+    "data.eval": EvalConfig,
+    "data.curriculum": CurriculumConfig,
+    "data.rewards": RewardSpec,
 }
 
 
 class GRPOCLI(LightningCLI):
-    """``LightningCLI`` with GRPO's Trainer defaults, one-line errors and early checkpoint checks."""
+    """``LightningCLI`` with GRPO's Trainer defaults, one-line errors and early checkpoint checks.
 
-    def __init__(self, *args, **kwargs) -> None:
+    Every run gets ``OldPolicySync`` (the rollout engine samples from the current policy) and the
+    ``AtomicCheckpointIO`` plugin, unless its config has its own.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         if not args and "model_class" not in kwargs:
             args = (GRPOModule, RolloutDataModule)
         kwargs.setdefault("seed_everything_default", 0)
@@ -67,6 +79,9 @@ class GRPOCLI(LightningCLI):
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         # Records the full resolved config with the run (W&B config and files), not only the module's settings.
         kwargs.setdefault("save_config_callback", LoggerSaveConfigCallback)
+        argv = kwargs.get("args", args[6] if len(args) > 6 else None)
+        self.command_line = list(sys.argv[1:] if argv is None else argv) if not isinstance(argv, dict) else None
+        check_ckpt_file(self.command_line)
         super().__init__(*args, **kwargs)
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
@@ -74,40 +89,33 @@ class GRPOCLI(LightningCLI):
         kwargs.setdefault("exit_on_error", False)
         return super().init_parser(**kwargs)
 
-    def _parse_ckpt_path(self) -> None:
-        """Check ``--ckpt_path`` before anything is built, and keep the config's settings.
-
-        Lightning's own version replaces the config's model settings with the checkpoint's, silently: a resumed
-        run would ignore, say, a new ``model.lr``. Here the config applies; a checkpoint of another model is
-        refused now, in one line, and other changed settings are listed in a warning when it loads.
-        """
-        subcommand = self.config.get("subcommand")
-        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-        if not ckpt_path or str(ckpt_path) in _SPECIAL_CKPT_PATHS or "://" in str(ckpt_path):
-            return
-        if not Path(ckpt_path).is_file():
-            raise ConfigError(f"ckpt_path: no such checkpoint file {str(ckpt_path)!r}")
-        saved = read_checkpoint_hparams(str(ckpt_path)) or {}
-        model = self.config[subcommand].get("model")
-        current = model.as_dict() if hasattr(model, "as_dict") else dict(model or {})
-        current = current.get("init_args", current)  # class_path form, with subclass mode
-        check_checkpoint_hparams(saved, current, repr(str(ckpt_path)))
-
     def before_instantiate_classes(self) -> None:
         """Checkpoint and log folders that the config leaves unset go under ``trainer.default_root_dir``; numeric
-        settings out of range are refused before anything is built (``validation.SETTING_RANGES``)."""
+        settings out of range are refused before anything is built (``validation.SETTING_RANGES``); with
+        ``--ckpt_path``, the config's model settings apply and a checkpoint of another model is refused."""
         config = self.config.get(str(self.subcommand), self.config)
+        keep_config_model_settings(self, config)
         check_setting_ranges(config)
         place_run_folders(config.get("trainer"))
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """The Trainer; a setting that Lightning refuses (``devices=0``, ``strategy='bogus'``, ...) as one line."""
+        """The Trainer, with ``OldPolicySync`` and ``AtomicCheckpointIO`` added; a setting that Lightning refuses
+        (``devices=0``, ``strategy='bogus'``, ...) as one line."""
+        config = self.config_init.get(str(self.subcommand), self.config_init)
+        trainer = config.get("trainer") or {}
+        callbacks = trainer.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
+        if not any(isinstance(c, OldPolicySync) for c in callbacks):
+            kwargs.setdefault("callbacks", [*callbacks, OldPolicySync()])
+        plugins = trainer.get("plugins") or []
+        plugins = list(plugins) if isinstance(plugins, list) else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            kwargs.setdefault("plugins", [*plugins, AtomicCheckpointIO()])
         try:
             return super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, ValueError, TypeError) as err:
             if user_error(err) is not None:
                 raise
-            config = self.config.get(str(self.subcommand), self.config)
             raise trainer_error(err, config.get("trainer")) from err
 
     def before_fit(self) -> None:
@@ -118,6 +126,57 @@ class GRPOCLI(LightningCLI):
                 f"trainer.reload_dataloaders_every_n_epochs must be 1 for GRPO (got {reload}): each epoch is one "
                 "rollout round"
             )
+
+
+class SFTCLI(GRPOCLI):
+    """The CLI of ``python -m grpo_lightning sft``: ``SFTModule`` and ``SFTDataModule``, with Lightning's usual
+    Trainer defaults (GRPO's one-rollout-per-epoch settings do not apply to SFT)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if not args and "model_class" not in kwargs:
+            args = (SFTModule, SFTDataModule)
+        kwargs.setdefault("trainer_defaults", {"num_sanity_val_steps": 0})
+        super().__init__(*args, **kwargs)
+
+    def before_fit(self) -> None:
+        pass
+
+
+def check_ckpt_file(command_line: list[str] | None) -> None:
+    """A ``--ckpt_path`` on the command line that is no readable checkpoint file, as one line, before Lightning
+    reads it."""
+    if not command_line:
+        return
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--ckpt_path")
+    known, _ = parser.parse_known_args(command_line)
+    path = known.ckpt_path
+    if not path or path in _SPECIAL_CKPT_PATHS or "://" in path or path == "null":
+        return
+    if not Path(path).is_file():
+        raise ConfigError(f"ckpt_path: no such checkpoint file {path!r}")
+    read_checkpoint_hparams(path)  # not a checkpoint at all: one line
+
+
+def keep_config_model_settings(cli: GRPOCLI, config: Any) -> None:
+    """With ``--ckpt_path FILE``: the config's model settings apply, and a checkpoint of another model is refused.
+
+    ``LightningCLI`` itself replaces the model settings of the config with the checkpoint's, silently: a resumed
+    run would ignore, say, a new ``model.lr``. Here the command line is parsed again and its model settings put
+    back; a checkpoint of another model is refused now, in one line, and other changed settings are listed in a
+    warning when it loads.
+    """
+    ckpt_path = config.get("ckpt_path")
+    if not ckpt_path or str(ckpt_path) in _SPECIAL_CKPT_PATHS or "://" in str(ckpt_path):
+        return
+    saved = read_checkpoint_hparams(str(ckpt_path)) or {}
+    if cli.command_line is not None:
+        fresh = cli.parser.parse_args(cli.command_line)
+        config["model"] = fresh.get(str(cli.subcommand), fresh)["model"]
+    model = config.get("model")
+    current = model.as_dict() if hasattr(model, "as_dict") else dict(model or {})
+    current = current.get("init_args", current)  # class_path form, with subclass mode
+    check_checkpoint_hparams(saved, current, repr(str(ckpt_path)))
 
 
 def _class_of(item: Any) -> type | None:
@@ -249,15 +308,11 @@ def main(args: list[str] | None = None) -> None:
     ``python -m grpo_lightning sft fit|validate ...`` runs supervised fine-tuning (``grpo_lightning.sft``) instead.
     """
     argv = sys.argv[1:] if args is None else list(args)
+    cli_class = GRPOCLI
     if argv[:1] == ["sft"]:
-        from grpo_lightning.sft import main as sft_main
-
-        if args is None:  # from the shell: LightningCLI reads sys.argv itself
-            sys.argv = [sys.argv[0], *argv[1:]]
-            return sft_main()
-        return sft_main(argv[1:])
+        cli_class, argv = SFTCLI, argv[1:]
     try:
-        GRPOCLI(args=args)
+        cli_class(args=argv)
     except Exception as err:
         if os.environ.get("GRPO_DEBUG"):
             raise

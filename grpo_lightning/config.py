@@ -1,4 +1,4 @@
-"""Typed settings groups of ``GRPOModule``: each one a YAML section (``model.sampling``, ``model.objective``).
+"""Typed settings groups: each one a YAML section (``model.objective``, ``data.sampling``, ``data.advantage``, ...).
 
 They validate themselves when built, so a bad value is refused while the config is parsed, before any model is
 loaded, with a one-line message that names the setting.
@@ -7,7 +7,10 @@ loaded, with a one-line message that names the setting.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from grpo_lightning.engines.base import SamplingParams
 
 
 class ConfigError(ValueError):
@@ -31,32 +34,48 @@ class SamplingConfig:
     generation_batch_size: int = 256
     """Completions decoded at once; bounds generation memory independently of the optimisation batch."""
 
+    def params(self, **changes: Any) -> SamplingParams:
+        """These settings as an engine's ``SamplingParams`` (with ``changes``: ``group_size``, ``greedy``, ...)."""
+        from grpo_lightning.engines.base import SamplingParams  # engines/ imports this module's ConfigError
+
+        values = {
+            "group_size": self.group_size,
+            "max_new_tokens": self.max_new_tokens,
+            "min_new_tokens": self.min_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "batch_size": self.generation_batch_size,
+        }
+        return SamplingParams(**{**values, **changes})
+
     def __post_init__(self) -> None:
         if self.group_size < 2:
             raise ConfigError(
-                f"model.sampling.group_size must be at least 2 (got {self.group_size}): GRPO compares each "
+                f"data.sampling.group_size must be at least 2 (got {self.group_size}): GRPO compares each "
                 "completion with the others of its group"
             )
         if self.max_new_tokens < 1:
-            raise ConfigError(f"model.sampling.max_new_tokens must be at least 1 (got {self.max_new_tokens})")
+            raise ConfigError(f"data.sampling.max_new_tokens must be at least 1 (got {self.max_new_tokens})")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ConfigError(
-                f"model.sampling.min_new_tokens must be between 0 and max_new_tokens={self.max_new_tokens} "
+                f"data.sampling.min_new_tokens must be between 0 and max_new_tokens={self.max_new_tokens} "
                 f"(got {self.min_new_tokens})"
             )
         if self.temperature <= 0:
-            raise ConfigError(f"model.sampling.temperature must be > 0 (got {self.temperature})")
+            raise ConfigError(f"data.sampling.temperature must be > 0 (got {self.temperature})")
         if not 0 < self.top_p <= 1:
-            raise ConfigError(f"model.sampling.top_p must be in (0, 1] (got {self.top_p})")
+            raise ConfigError(f"data.sampling.top_p must be in (0, 1] (got {self.top_p})")
         if self.top_k < 0:
-            raise ConfigError(f"model.sampling.top_k must be >= 0 (got {self.top_k}); 0 disables it")
+            raise ConfigError(f"data.sampling.top_k must be >= 0 (got {self.top_k}); 0 disables it")
         if self.generation_batch_size < 1:
-            raise ConfigError(f"model.sampling.generation_batch_size must be >= 1 (got {self.generation_batch_size})")
+            raise ConfigError(f"data.sampling.generation_batch_size must be >= 1 (got {self.generation_batch_size})")
 
 
 @dataclass
 class ObjectiveConfig:
-    """The GRPO objective and its variants; the names match ``grpo_lightning.loss``'s keyword arguments."""
+    """The GRPO loss and its variants (``model.objective``); names match ``grpo_lightning.loss.grpo_loss``'s
+    keyword arguments. The rollout side of the algorithm (advantages, μ, π_old's source) is ``data``'s."""
 
     beta: float = 0.04
     """KL weight against the reference model. 0 skips the reference model entirely (not even built)."""
@@ -68,23 +87,7 @@ class ObjectiveConfig:
     """Upper cap on the ratio before the min (two-sided clipping, INTELLECT-2)."""
     loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = "grpo"
     importance_sampling_level: Literal["token", "sequence"] = "token"
-    num_iterations: int = 1
-    """μ: optimisation passes over each rollout. Each pass takes ``rollout / data.mini_batch_size`` optimizer
-    steps; π_old's log-probs are recorded whenever a round has more than one step in all."""
-    old_logprobs: Literal["auto", "sampler", "recompute"] = "auto"
-    """Where π_old's log-probs come from when a round has several optimizer steps: ``sampler`` keeps those the
-    sampling loop computed anyway (no extra forward pass); ``recompute`` runs a forward pass over the rollout.
-    ``auto``: ``sampler`` when the policy computes in float32, where the two agree to ~1e-6, and ``recompute`` in
-    lower precision, where a decoding step and a full-sequence pass round differently."""
-    advantage_baseline: Literal["mean", "rloo"] = "mean"
-    advantage_scale: Literal["group", "batch", "none"] = "group"
-    advantage_eps: float = 1e-4
-    advantage_std: Literal["population", "sample"] = "population"
-    """The std that scales advantages: ``population`` (variance ÷ G) or ``sample`` (÷ G - 1, Bessel's
-    correction, as TRL and verl compute it); at G = 4 the sample std is √(4/3) ≈ 1.155× the population one."""
     entropy_coef: float = 0.0
-    mask_truncated_completions: bool = False
-    """Exclude completions that hit max_new_tokens from the loss (DAPO's overlong filtering)."""
 
     def __post_init__(self) -> None:
         if self.beta < 0:
@@ -95,15 +98,62 @@ class ObjectiveConfig:
             raise ConfigError(f"model.objective.epsilon_high must be >= 0 (got {self.epsilon_high})")
         if self.delta is not None and self.delta <= 1:
             raise ConfigError(f"model.objective.delta must be > 1 (got {self.delta}); it caps the ratio from above")
-        if self.num_iterations < 1:
-            raise ConfigError(f"model.objective.num_iterations must be >= 1 (got {self.num_iterations})")
-        if self.old_logprobs not in ("auto", "sampler", "recompute"):
-            raise ConfigError(
-                f"model.objective.old_logprobs must be auto, sampler or recompute (got {self.old_logprobs!r})"
-            )
-        if self.advantage_std not in ("population", "sample"):
-            raise ConfigError(
-                f"model.objective.advantage_std must be population or sample (got {self.advantage_std!r})"
-            )
-        if self.advantage_eps <= 0:
-            raise ConfigError(f"model.objective.advantage_eps must be > 0 (got {self.advantage_eps})")
+
+
+@dataclass
+class AdvantageConfig:
+    """How a group's rewards become advantages (``data.advantage``): ``grpo_lightning.loss.group_advantages``."""
+
+    baseline: Literal["mean", "rloo"] = "mean"
+    """``mean`` of the group (GRPO), or ``rloo``: the mean of the other G - 1 completions."""
+    scale: Literal["group", "batch", "none"] = "group"
+    """Divide by the std of the ``group``, of the whole ``batch`` (all ranks), or ``none`` (Dr. GRPO)."""
+    std: Literal["population", "sample"] = "population"
+    """The std that scales advantages: ``population`` (variance ÷ G) or ``sample`` (÷ G - 1, Bessel's
+    correction, as TRL and verl compute it); at G = 4 the sample std is √(4/3) ≈ 1.155× the population one."""
+    eps: float = 1e-4
+    """Added to the std."""
+
+    def __post_init__(self) -> None:
+        if self.baseline not in ("mean", "rloo"):
+            raise ConfigError(f"data.advantage.baseline must be mean or rloo (got {self.baseline!r})")
+        if self.scale not in ("group", "batch", "none"):
+            raise ConfigError(f"data.advantage.scale must be group, batch or none (got {self.scale!r})")
+        if self.std not in ("population", "sample"):
+            raise ConfigError(f"data.advantage.std must be population or sample (got {self.std!r})")
+        if self.eps <= 0:
+            raise ConfigError(f"data.advantage.eps must be > 0 (got {self.eps})")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation (``data.eval``): greedy pass@1 always; with ``num_samples`` = k > 0 also k sampled
+    completions per prompt for ``val/pass@k``, ``val/maj@k`` and their mean reward and length."""
+
+    num_samples: int = 0
+    temperature: float = 1.0
+    """Temperature of the k samples (top-p/top-k as in ``data.sampling``)."""
+    pass_k: list[int] | None = None
+    """The k values of ``val/pass@k`` (unbiased estimator from the samples); default ``[1, num_samples]``."""
+    answer_fn: str | None = None
+    """Import path of ``fn(completion) -> answer | None`` that maj@k votes on (``None`` abstains), e.g.
+    ``grpo_lightning.rewards.math.extract_answer``; default: the stripped completion. Ties go to the answer
+    sampled first."""
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 0:
+            raise ConfigError(f"data.eval.num_samples must be >= 0 (got {self.num_samples}); 0 = greedy only")
+        if self.temperature <= 0:
+            raise ConfigError(f"data.eval.temperature must be > 0 (got {self.temperature})")
+        if self.num_samples == 0 and self.pass_k:
+            raise ConfigError("data.eval.pass_k needs data.eval.num_samples > 0 (samples per held-out prompt)")
+        bad = [k for k in self.pass_k or [] if not 1 <= k <= self.num_samples]
+        if bad:
+            raise ConfigError(f"data.eval.pass_k values must be in [1, num_samples={self.num_samples}] (got {bad})")
+
+    @property
+    def ks(self) -> list[int]:
+        """The k values of pass@k to report (none without samples)."""
+        if self.num_samples == 0:
+            return []
+        return sorted(set(self.pass_k)) if self.pass_k else sorted({1, self.num_samples})

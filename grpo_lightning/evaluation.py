@@ -1,72 +1,129 @@
 """Held-out evaluation: greedy pass@1, and pass@k / maj@k over k sampled completions per prompt.
 
-``HeldOutEvaluator`` owns the torchmetrics metrics (their states reduce across ranks) and logs through the
-``LightningModule`` it evaluates, so ``validation_step`` and ``test_step`` stay one line each.
+Split like training: the data side generates and scores, the module side keeps the metrics.
+
+- ``HeldOutSampler`` (used by the DataModules' ``val_dataloader``/``test_dataloader`` as the ``collate_fn``):
+  each batch of held-out prompts is decoded greedily and, with ``data.eval.num_samples`` = k > 0, sampled k
+  times, with the same ``sample_and_score`` a training round uses; the batch it yields holds the scores.
+- ``HeldOutMetrics`` (an attribute of the LightningModule): torchmetrics metrics whose states reduce across
+  ranks, updated and logged by ``validation_step`` / ``test_step`` from those scores.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from lightning import LightningModule
 from torchmetrics import MeanMetric
 
-from grpo_lightning.metrics import MajorityAtK, PassAtK, check_eval_settings, resolve_answer_fn, sample_and_score
+from grpo_lightning.config import EvalConfig, SamplingConfig
+from grpo_lightning.metrics import MajorityAtK, PassAtK, resolve_answer_fn
+from grpo_lightning.rewards.scorer import Scorer
+from grpo_lightning.rollout.policy import EngineHandle, PolicySide
+from grpo_lightning.rollout.prompts import PromptEncoder
+from grpo_lightning.rollout.sampling import sample_and_score
 
-if TYPE_CHECKING:
-    from grpo_lightning.module import GRPOModule
+
+class HeldOutSampler:
+    """Turns a list of held-out rows into their scored completions (greedy, and k samples when asked).
+
+    The k samples draw from a generator of their own, seeded by ``seed``, the rank and the batch's first row:
+    evaluating (even in the middle of ``fit``) neither changes nor advances the training run's random stream,
+    and is reproducible whatever the order in which batches are fetched.
+    """
+
+    def __init__(
+        self,
+        *,
+        module: Callable[[], PolicySide],
+        engine: EngineHandle,
+        encoder: Callable[[], PromptEncoder],
+        scorer: Scorer,
+        sampling: SamplingConfig,
+        config: EvalConfig,
+        seed: int,
+        rank: int = 0,
+    ) -> None:
+        self.module, self.engine, self.encoder, self.scorer = module, engine, encoder, scorer
+        self.sampling, self.config, self.seed, self.rank = sampling, config, seed, rank
+        self.answer_fn = resolve_answer_fn(config.answer_fn)
+
+    def __call__(self, rows: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+        """``rows``: ``(index in the held-out set, row)`` pairs; returns the scores of their completions."""
+        columns = {key: [row[key] for _, row in rows] for key in rows[0][1]}
+        module = self.module()
+        engine, encoder = self.engine.get(module), self.encoder()
+        common = {"engine": engine, "encoder": encoder, "scorer": self.scorer, "device": module.device}
+        with torch.no_grad(), module.rollout_context():
+            greedy = sample_and_score(columns, params=self.sampling.params(greedy=True, group_size=1), **common)
+            out: dict[str, Any] = {
+                "reward": greedy.rewards.float(),
+                "length": greedy.completion_mask.sum(-1).float(),
+            }
+            if greedy.correct is not None:  # None: only process rewards, nothing decides "correct"
+                out["correct"] = torch.tensor(greedy.correct, dtype=torch.float32)
+            k = self.config.num_samples
+            if k == 0:
+                return out
+            seed = self.seed + 1_000_003 * (self.rank + 1) + rows[0][0]
+            generator = torch.Generator(device=module.device).manual_seed(seed)
+            params = self.sampling.params(group_size=k, temperature=self.config.temperature, min_new_tokens=0)
+            samples = sample_and_score(columns, params=params, generator=generator, **common)
+        out["sample_reward"] = samples.rewards.float()
+        out["sample_length"] = samples.completion_mask.sum(-1).float()
+        if samples.correct is not None:
+            out["sample_correct"] = torch.tensor(samples.correct).view(-1, k)
+            texts = samples.completions
+            out["sample_answers"] = [[self.answer_fn(t) for t in texts[i : i + k]] for i in range(0, len(texts), k)]
+            out["pass_k"] = self.config.ks
+        return out
 
 
-class HeldOutEvaluator(torch.nn.Module):
-    """Accuracy, reward and length of greedy completions; with ``num_samples`` = k > 0, pass@k and maj@k too."""
+class HeldOutMetrics(torch.nn.Module):
+    """Accuracy, reward and length of greedy completions; pass@k, maj@k and sample reward/length with samples."""
 
-    def __init__(self, num_samples: int, temperature: float, pass_k: list[int] | None, answer_fn: str | None) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        # Checked now, so a bad setting fails before any model loads.
-        self.num_samples, self.temperature = num_samples, temperature
-        self.ks = check_eval_settings(num_samples, pass_k, temperature)
-        self.answer_fn = resolve_answer_fn(answer_fn)
         self.accuracy, self.reward, self.length = MeanMetric(), MeanMetric(), MeanMetric()
         self.sample_reward, self.sample_length = MeanMetric(), MeanMetric()
-        self.pass_at = torch.nn.ModuleDict({str(k): PassAtK(k) for k in self.ks})
         self.majority = MajorityAtK()
+        self.pass_at = torch.nn.ModuleDict()  # one PassAtK per k, made when a batch first asks for it
 
-    def evaluate(self, module: GRPOModule, batch: dict[str, list[Any]], stage: str, batch_idx: int) -> None:
-        """Score ``batch``'s held-out prompts and log ``{stage}/...`` metrics through ``module``."""
-        completions = module.generate(batch["prompt"], greedy=True)
-        texts = module.decode(completions.completion_ids, completions.completion_mask)
-        lengths = completions.completion_mask.sum(-1)
-        columns = {name: values for name, values in batch.items() if name != "prompt"}
-        columns["completion_lengths"] = lengths.tolist()
-        total, per_function = module.score(batch["prompt"], texts, columns)
-        log = {"on_step": False, "on_epoch": True, "batch_size": len(texts)}
-        if module.accuracy_reward is not None:  # None: only process rewards, nothing decides "correct"
-            correct = [float(v is not None and v >= 1.0) for v in per_function[module.accuracy_reward]]
-            self.accuracy.update(torch.tensor(correct, device=module.device))
-            module.log(f"{stage}/accuracy", self.accuracy, prog_bar=True, **log)
-        self.reward.update(torch.tensor(total, device=module.device))
-        self.length.update(lengths.float())
-        module.log(f"{stage}/reward_mean", self.reward, **log)
-        module.log(f"{stage}/completion_length_mean", self.length, **log)
-        k = self.num_samples
-        if k == 0:
+    def update_and_log(self, module: LightningModule, batch: dict[str, Any], stage: str, prefix: str) -> None:
+        """Update from a ``HeldOutSampler`` batch and log ``{stage}/...`` through ``module``.
+
+        ``prefix``: this object's attribute name in ``module`` (metrics are logged with their attribute path).
+        """
+        size = len(batch["reward"])
+        log = {"on_step": False, "on_epoch": True, "batch_size": size}
+
+        def put(name: str, metric: Any, attribute: str, **extra: Any) -> None:
+            module.log(f"{stage}/{name}", metric, metric_attribute=f"{prefix}.{attribute}", **log, **extra)
+
+        if "correct" in batch:
+            self.accuracy.update(batch["correct"])
+            put("accuracy", self.accuracy, "accuracy", prog_bar=True)
+        self.reward.update(batch["reward"])
+        self.length.update(batch["length"])
+        put("reward_mean", self.reward, "reward")
+        put("completion_length_mean", self.length, "length")
+        if "sample_reward" not in batch:
             return
-        # A stream of its own per rank and batch: reproducible, and the rollout's generator is left untouched.
-        seed = module.hparams.seed + 1_000_003 * (module.global_rank + 1) + batch_idx
-        samples = sample_and_score(module, batch, k, self.temperature, seed)
-        self.sample_reward.update(torch.tensor(samples.total_rewards, device=module.device))
-        self.sample_length.update(samples.lengths.float())
-        module.log(f"{stage}/sample_reward_mean", self.sample_reward, **log)
-        module.log(f"{stage}/sample_completion_length_mean", self.sample_length, **log)
-        if samples.correct is None:
+        self.sample_reward.update(batch["sample_reward"])
+        self.sample_length.update(batch["sample_length"])
+        put("sample_reward_mean", self.sample_reward, "sample_reward")
+        put("sample_completion_length_mean", self.sample_length, "sample_length")
+        if "sample_correct" not in batch:
             return
-        per_prompt = range(0, len(samples.texts), k)
-        self.majority.update(
-            [[self.answer_fn(t) for t in samples.texts[i : i + k]] for i in per_prompt],
-            [samples.correct[i : i + k] for i in per_prompt],
-        )
-        module.log(f"{stage}/maj@{k}", self.majority, **log)
-        num_correct = torch.tensor(samples.correct).view(-1, k).sum(-1)
-        for name, metric in self.pass_at.items():
-            metric.update(num_correct, k)
-            module.log(f"{stage}/pass@{name}", metric, **log)
+        correct = batch["sample_correct"]
+        k = correct.size(1)
+        self.majority.update(batch["sample_answers"], correct.tolist())
+        put(f"maj@{k}", self.majority, "majority")
+        for value in batch["pass_k"]:
+            name = str(int(value))
+            if name not in self.pass_at:
+                self.pass_at[name] = PassAtK(int(value)).to(correct.device)
+            self.pass_at[name].update(correct.sum(-1), k)
+            put(f"pass@{name}", self.pass_at[name], f"pass_at.{name}")

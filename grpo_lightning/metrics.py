@@ -1,4 +1,4 @@
-"""Evaluation metrics: pass@k (unbiased estimator), maj@k (majority vote), and the sampling they need.
+"""Evaluation metrics: pass@k (unbiased estimator) and maj@k (majority vote), as estimators and torchmetrics.
 
 Every metric here is a ``torchmetrics.Metric`` whose states are sums (``dist_reduce_fx="sum"``): under data
 parallelism each rank scores its own shard of the held-out prompts and the totals are added before dividing, so the
@@ -7,23 +7,16 @@ result equals the single-process one whatever the shard sizes.
 
 from __future__ import annotations
 
-import copy
 import importlib
 import math
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 from torchmetrics import Metric
 
 from grpo_lightning.config import ConfigError
-from grpo_lightning.rollout.round import repeat_each
-
-if TYPE_CHECKING:
-    from grpo_lightning.module import GRPOModule
 
 AnswerFn = Callable[[str], "str | None"]
 
@@ -75,27 +68,10 @@ def resolve_answer_fn(spec: str | None) -> AnswerFn:
     try:
         fn = getattr(importlib.import_module(module_name), attr) if module_name else None
     except (ImportError, AttributeError) as err:
-        raise ConfigError(f"model.eval_answer_fn {spec!r} cannot be imported: {err}") from None
+        raise ConfigError(f"data.eval.answer_fn {spec!r} cannot be imported: {err}") from None
     if not callable(fn):
-        raise ConfigError(f"model.eval_answer_fn {spec!r} is not an importable function (use pkg.module.fn)")
+        raise ConfigError(f"data.eval.answer_fn {spec!r} is not an importable function (use pkg.module.fn)")
     return fn
-
-
-def check_eval_settings(num_samples: int, pass_k: Sequence[int] | None, temperature: float) -> list[int]:
-    """The k values of pass@k to report; refuses settings that cannot work, naming the setting."""
-    if num_samples < 0:
-        raise ConfigError(f"model.eval_num_samples must be >= 0 (got {num_samples}); 0 = greedy evaluation only")
-    if temperature <= 0:
-        raise ConfigError(f"model.eval_temperature must be > 0 (got {temperature})")
-    if num_samples == 0:
-        if pass_k:
-            raise ConfigError("model.eval_pass_k needs model.eval_num_samples > 0 (samples per held-out prompt)")
-        return []
-    ks = sorted(set(pass_k)) if pass_k else sorted({1, num_samples})
-    bad = [k for k in ks if not 1 <= k <= num_samples]
-    if bad:
-        raise ConfigError(f"model.eval_pass_k values must be in [1, eval_num_samples={num_samples}] (got {bad})")
-    return ks
 
 
 # ----------------------------------------------------------------------------------------------- metrics
@@ -162,51 +138,3 @@ class MajorityAtK(Metric):
         if self.count == 0:
             return torch.tensor(float("nan"), device=self.hits.device)
         return self.hits.float() / self.count
-
-
-# ---------------------------------------------------------------------------------------------- sampling
-@dataclass
-class SampledEval:
-    """k sampled completions per prompt, scored: flat lists of prompts × k, samples of a prompt adjacent."""
-
-    texts: list[str]
-    total_rewards: list[float]
-    correct: list[bool] | None  # None when no outcome reward decides correctness (``accuracy_reward`` unset)
-    lengths: Tensor  # [prompts × k] generated tokens
-
-
-@contextmanager
-def eval_sampling(module: GRPOModule, num_samples: int, temperature: float, seed: int) -> Iterator[None]:
-    """Make ``module.generate`` draw ``num_samples`` completions per prompt at ``temperature``, from its own RNG.
-
-    The rollout's sampling settings and generator are restored afterwards: evaluating (even in the middle of
-    ``fit``) neither changes nor advances the training run's random stream, and is reproducible for a seed.
-    """
-    saved_sampling, saved_generator = module.sampling, module.generator
-    # copy.copy skips __post_init__, whose group_size >= 2 rule is a training rule (k = 1 is a valid evaluation).
-    sampling = copy.copy(saved_sampling)
-    sampling.group_size, sampling.temperature, sampling.min_new_tokens = num_samples, temperature, 0
-    module.sampling = sampling
-    module.generator = torch.Generator(device=module.device).manual_seed(seed)
-    try:
-        yield
-    finally:
-        module.sampling, module.generator = saved_sampling, saved_generator
-
-
-def sample_and_score(
-    module: GRPOModule, batch: dict[str, list[Any]], num_samples: int, temperature: float, seed: int
-) -> SampledEval:
-    """Sample ``num_samples`` completions for each prompt of ``batch`` and score them with the module's rewards."""
-    with eval_sampling(module, num_samples, temperature, seed):
-        completions = module.generate(batch["prompt"])
-    texts = module.decode(completions.completion_ids, completions.completion_mask)
-    prompts = repeat_each(batch["prompt"], num_samples)
-    columns = {name: repeat_each(values, num_samples) for name, values in batch.items() if name != "prompt"}
-    lengths = completions.completion_mask.sum(-1)
-    columns["completion_lengths"] = lengths.tolist()
-    total, per_function = module.score(prompts, texts, columns)
-    correct = None
-    if module.accuracy_reward is not None:
-        correct = [v is not None and v >= 1.0 for v in per_function[module.accuracy_reward]]
-    return SampledEval(texts=texts, total_rewards=list(total), correct=correct, lengths=lengths)

@@ -1,44 +1,44 @@
 """Supervised fine-tuning on prompt/response pairs: the cold start before GRPO, and SFT on rejection-sampled data.
 
-``SFTModule`` is a ``GRPOModule`` whose update is next-token cross-entropy on the response tokens only; the model
-and tokenizer loading, the chat-template handling of prompts, generation and the held-out evaluation
-(``val/accuracy``) are GRPO's own, so an SFT model is encoded and evaluated exactly as GRPO will see it.
-``SFTDataModule`` reads prompt/response rows (a ``.jsonl`` such as ``tools/rejection_sample.py`` writes, or a
-built-in task with ``response_column: answer``). ``SaveHFModel`` writes the trained policy as a Hugging Face
-folder at the end of ``fit``: that folder is the next stage's ``model.model_name_or_path``.
+``SFTModule`` trains next-token cross-entropy on the response tokens only. It builds its model with GRPO's own
+``build_policy`` and is evaluated with GRPO's held-out evaluation (``val/accuracy``); ``SFTDataModule`` encodes
+prompts with the same ``PromptEncoder`` a rollout uses, so an SFT model is encoded and evaluated exactly as GRPO
+will see it. It reads prompt/response rows (a ``.jsonl`` such as ``tools/rejection_sample.py`` writes, or a
+built-in task with ``response_column: answer``). ``grpo_lightning.callbacks.SaveHFModel`` writes the trained
+policy as a Hugging Face folder at the end of ``fit``: the next stage's ``model.model_name_or_path``.
 
-    python -m grpo_lightning.sft fit --config configs/pipeline/1_cold_start_sft.yaml
-    python -m grpo_lightning.sft validate --config configs/pipeline/1_cold_start_sft.yaml --ckpt_path ...
+    python -m grpo_lightning sft fit --config configs/pipeline/1_cold_start_sft.yaml
+    python -m grpo_lightning sft validate --config configs/pipeline/1_cold_start_sft.yaml --ckpt_path ...
 """
 
 from __future__ import annotations
 
-import copy
 import functools
-import inspect
 import math
-import os
 import random
-import sys
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
-from lightning import Callback, LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.cli import LightningCLI
+from lightning import LightningDataModule, LightningModule
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from grpo_lightning.cli import user_error
-from grpo_lightning.config import ConfigError, ObjectiveConfig, SamplingConfig
-from grpo_lightning.lora import LoraConfig, is_peft_model
+from grpo_lightning.config import ConfigError, EvalConfig, SamplingConfig
+from grpo_lightning.engines import RolloutEngine
+from grpo_lightning.evaluation import HeldOutMetrics
+from grpo_lightning.lora import LoraConfig
+from grpo_lightning.models.build import load_tokenizer
+from grpo_lightning.models.policy import build_policy, context_length, sampling_context
 from grpo_lightning.models.tiny import TinyModelConfig
-from grpo_lightning.module import GRPOModule
-from grpo_lightning.rewards import RewardSpec, check_required_columns
-from grpo_lightning.rollout.datamodule import load_prompts
-from grpo_lightning.strategies import gathered
+from grpo_lightning.rewards import RewardSpec
+from grpo_lightning.rewards.scorer import Scorer
+from grpo_lightning.rollout.datamodule import held_out_loader
+from grpo_lightning.rollout.policy import EngineHandle, PolicySide
+from grpo_lightning.rollout.prompts import PromptEncoder, load_prompts, rename_prompt_column
 
 IGNORE_INDEX = -100  # label of the tokens the loss skips (prompt and padding), as in Hugging Face models
 
@@ -57,27 +57,18 @@ def response_loss(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     return total / count.clamp(min=1), count
 
 
-class SFTModule(GRPOModule):
+class SFTModule(LightningModule):
     """Supervised fine-tuning of a causal LM on prompt/response pairs, loss on response tokens only."""
 
     def __init__(
         self,
         model_name_or_path: str | None = None,
         tiny_model: TinyModelConfig | None = None,
-        rewards: list[RewardSpec] | None = None,
-        accuracy_reward: str | None = None,
-        sampling: SamplingConfig | None = None,
-        use_chat_template: bool = False,
         lr: float = 1e-4,
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
         lr_schedule: Literal["constant", "linear", "cosine"] = "constant",
         min_lr_ratio: float = 0.0,
-        seed: int = 0,
-        eval_num_samples: int = 0,
-        eval_temperature: float = 1.0,
-        eval_pass_k: list[int] | None = None,
-        eval_answer_fn: str | None = None,
         lora: LoraConfig | None = None,
         gradient_checkpointing: bool = False,
         disable_dropout: bool = False,
@@ -87,60 +78,47 @@ class SFTModule(GRPOModule):
             model_name_or_path: a Hugging Face causal LM (Hub name or local folder); unset = the tiny Llama of
                 ``tiny_model`` with the built-in character tokenizer, randomly initialised.
             tiny_model: size of the built-in tiny Llama.
-            rewards: reward terms used by evaluation only (``val/accuracy``, ``val/reward_mean``).
-            accuracy_reward: the reward whose value ≥ 1 counts as correct (default: the first).
-            sampling: generation settings of evaluation (``max_new_tokens``, and temperature for k samples).
-            use_chat_template: wrap each prompt in the tokenizer's chat template as a user message, as GRPO does.
             lr: AdamW peak learning rate.
             weight_decay: AdamW weight decay.
             warmup_steps: linear warm-up, in optimizer steps.
             lr_schedule: after warm-up: ``constant``, or ``linear``/``cosine`` decay to ``min_lr_ratio × lr`` at the
                 last step (``trainer.max_steps`` or ``max_epochs``).
             min_lr_ratio: final learning rate of the decaying schedules, as a fraction of ``lr``.
-            seed: seed of the sampling generator used by ``eval_num_samples``.
-            eval_num_samples: k sampled completions per held-out prompt (pass@k, maj@k); 0 = greedy only.
-            eval_temperature: temperature of those samples.
-            eval_pass_k: the k values of ``val/pass@k``.
-            eval_answer_fn: import path of the answer extractor maj@k votes on.
             lora: train LoRA adapters only (needs PEFT).
             gradient_checkpointing: recompute activations in the backward pass.
             disable_dropout: set the model's dropout to 0; off by default: supervised training has no ratio that
                 dropout would bias, and the model's own dropout regularises it as usual.
         """
+        super().__init__()
         if lr_schedule not in ("constant", "linear", "cosine"):
             raise ConfigError(f"model.lr_schedule must be constant, linear or cosine (got {lr_schedule!r})")
         if not 0 <= min_lr_ratio <= 1:
             raise ConfigError(f"model.min_lr_ratio must be in [0, 1] (got {min_lr_ratio})")
-        # Every argument is GRPOModule's too, except the schedule's; β = 0: SFT builds no reference model.
-        grpo_args = {k: v for k, v in locals().items() if k not in ("self", "__class__", "lr_schedule", "min_lr_ratio")}
-        grpo_args.update(objective=ObjectiveConfig(beta=0.0), log_entropy=False)
-        super().__init__(**grpo_args)
-        # Under LightningCLI the saved hyperparameters are the config's, i.e. this class's arguments only; the
-        # GRPOModule code this class reuses also reads the ones SFT fixes or leaves at their defaults.
-        grpo_defaults = {
-            name: parameter.default
-            for name, parameter in inspect.signature(GRPOModule.__init__).parameters.items()
-            if parameter.default is not inspect.Parameter.empty
-        }
-        for name, value in {**grpo_defaults, **grpo_args}.items():
-            self.hparams.setdefault(name, value)
+        self.save_hyperparameters()
+        self.tiny_model, self.lora = tiny_model or TinyModelConfig(), lora
+        self.tokenizer = load_tokenizer(model_name_or_path)
+        self.policy: torch.nn.Module | None = None
+        self.evaluator = HeldOutMetrics()
 
-    def encode_examples(self, prompts: list[str], responses: list[str]) -> list[tuple[list[int], list[int]]]:
-        """``(input_ids, labels)`` per pair: the prompt encoded exactly as GRPO encodes it for generation
-        (``encode_prompts``: chat template or special tokens included), then the response's tokens and EOS,
-        which is where a sampled completion ends. Labels are ``IGNORE_INDEX`` on the prompt."""
-        eos = self.tokenizer.eos_token_id
-        examples = []
-        for start in range(0, len(prompts), 1024):
-            ids, mask = self.encode_prompts(prompts[start : start + 1024])
-            chunk = responses[start : start + 1024]
-            # Completions are generated after the prompt's last token, so the response is tokenized on its own.
-            response_ids = self.tokenizer(chunk, add_special_tokens=False)["input_ids"]
-            for row, row_mask, response in zip(ids.tolist(), mask.tolist(), response_ids):
-                prompt = [token for token, keep in zip(row, row_mask) if keep]
-                answer = [*response, eos]
-                examples.append((prompt + answer, [IGNORE_INDEX] * len(prompt) + answer))
-        return examples
+    def configure_model(self) -> None:
+        if self.policy is None:
+            self.policy, _ = build_policy(
+                self.hparams.model_name_or_path,
+                self.tiny_model,
+                self.tokenizer,
+                trainer=self._trainer,
+                mesh=self.device_mesh,
+                no_dropout=self.hparams.disable_dropout,
+                gradient_checkpointing=self.hparams.gradient_checkpointing,
+                lora=self.lora,
+            )
+
+    # the policy side of held-out evaluation (``rollout/policy.py``)
+    def rollout_context(self) -> AbstractContextManager[None]:
+        return sampling_context(self._trainer, self.policy)
+
+    def context_length(self) -> int | None:
+        return context_length(self.hparams.model_name_or_path, self.tiny_model)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         # Without an attention mask the model derives a block-diagonal causal mask from position ids that restart
@@ -178,8 +156,31 @@ class SFTModule(GRPOModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """``batch``: held-out completions generated and scored by the DataModule (``HeldOutSampler``)."""
+        self.evaluator.update_and_log(self, batch, "val", "evaluator")
 
-# ------------------------------------------------------------------------------------------------ data
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self.evaluator.update_and_log(self, batch, "test", "evaluator")
+
+
+def encode_examples(
+    encoder: PromptEncoder, prompts: list[str], responses: list[str]
+) -> list[tuple[list[int], list[int]]]:
+    """``(input_ids, labels)`` per pair: the prompt encoded exactly as a rollout encodes it for generation
+    (chat template or special tokens included), then the response's tokens and EOS, which is where a sampled
+    completion ends. Labels are ``IGNORE_INDEX`` on the prompt."""
+    tokenizer = encoder.tokenizer
+    eos = tokenizer.eos_token_id
+    # Completions are generated after the prompt's last token, so the response is tokenized on its own.
+    response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
+    examples = []
+    for prompt, response in zip(encoder.token_ids(prompts), response_ids, strict=True):
+        answer = [*response, eos]
+        examples.append((prompt + answer, [IGNORE_INDEX] * len(prompt) + answer))
+    return examples
+
+
 def pad_batch(examples: list[tuple[list[int], list[int]]], pad_token_id: int) -> dict[str, Tensor]:
     """Right-padded ``input_ids``, ``attention_mask``, ``labels`` and ``position_ids`` of unpacked examples."""
     length = max(len(ids) for ids, _ in examples)
@@ -238,12 +239,18 @@ class SFTDataModule(LightningDataModule):
         train_split: str = "train",
         prompt_column: str = "prompt",
         response_column: str = "response",
+        use_chat_template: bool = False,
         val_dataset: str | None = None,
         val_split: str | None = "test",
         batch_size: int = 32,
         packing: bool = False,
         max_length: int | None = None,
         limit: int | None = None,
+        rewards: list[RewardSpec] | None = None,
+        accuracy_reward: str | None = None,
+        engine: str | RolloutEngine = "auto",
+        sampling: SamplingConfig | None = None,
+        eval: EvalConfig | None = None,
         val_batch_size: int = 128,
         val_limit: int | None = None,
         seed: int = 0,
@@ -256,6 +263,7 @@ class SFTDataModule(LightningDataModule):
             train_split: split of ``dataset`` (a local file is one split: the file).
             prompt_column: the column with the prompt.
             response_column: the column with the target response (``answer`` for a built-in task).
+            use_chat_template: wrap each prompt in the tokenizer's chat template, as the GRPO stage will.
             val_dataset: held-out prompts (same kinds as ``dataset``; needs the columns the rewards read). Unset:
                 ``dataset``'s ``val_split`` for a built-in task or Hub dataset, none for a local file.
             val_split: held-out split; ``None`` disables evaluation.
@@ -263,9 +271,14 @@ class SFTDataModule(LightningDataModule):
             packing: concatenate examples into rows of ``max_length`` tokens (each still attends only to itself).
             max_length: the packed row length; without packing, examples longer than this lose their end.
             limit: train on the first ``limit`` rows only.
+            rewards: reward terms of the evaluation only (``val/accuracy``, ``val/reward_mean``).
+            accuracy_reward: the reward whose value >= 1 counts as correct (default: the first).
+            engine: what generates the held-out completions (see ``RolloutDataModule``).
+            sampling: generation settings of evaluation (``max_new_tokens``; top-p/top-k of the k samples).
+            eval: k samples per held-out prompt for pass@k / maj@k.
             val_batch_size: prompts per evaluation batch.
             val_limit: evaluate on the first ``val_limit`` held-out prompts only.
-            seed: seed of the shuffling (a fresh order per epoch, and the order of packing).
+            seed: seed of the shuffling (a fresh order per epoch, and the order of packing) and of evaluation.
         """
         super().__init__()
         if batch_size < 1:
@@ -274,27 +287,28 @@ class SFTDataModule(LightningDataModule):
             raise ConfigError("data.packing needs data.max_length, the length of a packed row in tokens")
         self.source, self.subset, self.task_kwargs = dataset, subset, task_kwargs or {}
         self.train_split, self.prompt_column, self.response_column = train_split, prompt_column, response_column
-        self.val_dataset, self.val_split = val_dataset, val_split
+        self.use_chat_template, self.val_dataset, self.val_split = use_chat_template, val_dataset, val_split
         self.batch_size, self.packing, self.max_length, self.limit = batch_size, packing, max_length, limit
+        self.scorer = Scorer(rewards, accuracy_reward=accuracy_reward)
+        self.engine = EngineHandle(engine)
+        self.sampling, self.eval = sampling or SamplingConfig(), eval or EvalConfig()
         self.val_batch_size, self.val_limit, self.seed = val_batch_size, val_limit, seed
         self.train_examples: list[Any] | None = None
         self.val_data: Dataset | None = None
 
+    @property
+    def policy_side(self) -> PolicySide:
+        """The LightningModule, as far as generation needs it (see ``rollout/policy.py``)."""
+        return self.trainer.lightning_module
+
+    def encoder(self) -> PromptEncoder:
+        return PromptEncoder(self.policy_side.tokenizer, self.use_chat_template)
+
     def _read(self, source: str, split: str, setting: str) -> Dataset:
         data = load_prompts(source, split, subset=self.subset, task_kwargs=self.task_kwargs, setting=setting)
-        if self.prompt_column not in data.column_names:
-            raise ConfigError(
-                f"{setting} ({source}) has no prompt column {self.prompt_column!r} "
-                f"(columns: {', '.join(data.column_names)}); set data.prompt_column"
-            )
-        if self.prompt_column != "prompt":
-            if "prompt" in data.column_names:
-                data = data.remove_columns("prompt")
-            data = data.rename_column(self.prompt_column, "prompt")
-        return data
+        return rename_prompt_column(data, self.prompt_column, f"{setting} ({source})")
 
     def setup(self, stage: str) -> None:
-        module = self.trainer.lightning_module
         if stage == "fit" and self.train_examples is None:
             data = self._read(self.source, self.train_split, "data.dataset")
             if self.response_column not in data.column_names:
@@ -304,13 +318,13 @@ class SFTDataModule(LightningDataModule):
                 )
             if self.limit is not None:
                 data = data.select(range(min(self.limit, len(data))))
-            examples = module.encode_examples(data["prompt"], [str(r) for r in data[self.response_column]])
+            examples = encode_examples(self.encoder(), data["prompt"], [str(r) for r in data[self.response_column]])
             if self.max_length:
                 examples = [(ids[: self.max_length], labels[: self.max_length]) for ids, labels in examples]
             if self.packing:
                 # Packed once, in a seeded shuffle; the DataLoader then shuffles the rows every epoch.
                 random.Random(self.seed).shuffle(examples)
-                examples = pack_examples(examples, self.max_length, module.tokenizer.pad_token_id)
+                examples = pack_examples(examples, self.max_length, self.policy_side.tokenizer.pad_token_id)
             self.train_examples = examples
         local_file = Path(self.source).suffix.lower() in (".jsonl", ".json", ".parquet", ".csv")
         if self.val_split is not None and self.val_data is None and (self.val_dataset or not local_file):
@@ -318,11 +332,11 @@ class SFTDataModule(LightningDataModule):
             data = self._read(source, self.val_split, "data.val_dataset" if self.val_dataset else "data.dataset")
             if self.val_limit is not None:
                 data = data.select(range(min(self.val_limit, len(data))))
-            check_required_columns(module.reward_specs, data.column_names, f"the held-out data ({source})")
+            self.scorer.check_columns(data.column_names, f"the held-out data ({source})")
             self.val_data = data
 
     def train_dataloader(self) -> DataLoader:
-        pad = self.trainer.lightning_module.tokenizer.pad_token_id
+        pad = self.policy_side.tokenizer.pad_token_id
         # Packed rows are equal-length tensors already (the default collate stacks them); others are padded.
         collate = None if self.packing else functools.partial(pad_batch, pad_token_id=pad)
         return DataLoader(
@@ -336,67 +350,6 @@ class SFTDataModule(LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         if self.val_data is None:
             raise ConfigError("no held-out data: set data.val_dataset (and data.val_split)")
-        data = self.val_data
-        if self.trainer is not None and self.trainer.world_size > 1:
-            data = data.shard(num_shards=self.trainer.world_size, index=self.trainer.global_rank, contiguous=True)
-        columns = lambda rows: {key: [row[key] for row in rows] for key in rows[0]}  # noqa: E731  (as GRPO's)
-        return DataLoader(data, batch_size=self.val_batch_size, shuffle=False, collate_fn=columns)
+        return held_out_loader(self, self.val_data, self.val_batch_size)
 
     test_dataloader = val_dataloader  # ``test`` evaluates the same held-out prompts
-
-
-# ------------------------------------------------------------------------------------------- hand-off
-class SaveHFModel(Callback):
-    """At the end of ``fit``, write the policy and tokenizer as a Hugging Face folder (``save_pretrained``).
-
-    Works for ``SFTModule`` and ``GRPOModule`` alike; the folder is what the next stage's
-    ``model.model_name_or_path`` takes. A LoRA policy is merged into a copy of its base weights first.
-    """
-
-    def __init__(self, dirpath: str) -> None:
-        """
-        Args:
-            dirpath: the folder to write (created if needed).
-        """
-        self.dirpath = dirpath
-
-    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        with gathered(pl_module.policy):  # sharded weights: gathered on every rank, written by rank 0
-            if not trainer.is_global_zero:
-                return
-            policy = pl_module.policy
-            if is_peft_model(policy):
-                policy = copy.deepcopy(policy).merge_and_unload()
-            os.makedirs(self.dirpath, exist_ok=True)
-            policy.save_pretrained(self.dirpath)
-            pl_module.tokenizer.save_pretrained(self.dirpath)
-
-
-# -------------------------------------------------------------------------------------- command line
-class SFTCLI(LightningCLI):
-    """``LightningCLI`` over ``SFTModule`` and ``SFTDataModule`` (the GRPO CLI's one-rollout-per-epoch Trainer
-    defaults do not apply to SFT)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if not args and "model_class" not in kwargs:
-            args = (SFTModule, SFTDataModule)
-        kwargs.setdefault("seed_everything_default", 0)
-        kwargs.setdefault("trainer_defaults", {"num_sanity_val_steps": 0})
-        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-        super().__init__(*args, **kwargs)
-
-
-def main(args: list[str] | None = None) -> None:
-    """``python -m grpo_lightning.sft fit|validate|test --config ...``; user errors end with one line."""
-    try:
-        SFTCLI(args=args)
-    except Exception as err:
-        cause = user_error(err)
-        if cause is None or os.environ.get("GRPO_DEBUG"):
-            raise
-        print(f"error: {cause}", file=sys.stderr)
-        sys.exit(2)
-
-
-if __name__ == "__main__":
-    main()

@@ -7,7 +7,7 @@
 * ``gathered``: the model's full weights for the duration of a block (FSDP2: one all-gather per layer, kept until
   the block ends; DeepSpeed ZeRO-3: ``GatheredParameters``). Sampling runs a data-dependent number of decoding
   steps per rank, so it must not all-gather per step: a rank that finished early would leave the others waiting.
-* ``rollout_context``: what a rollout round runs in: the Trainer's precision context and ``gathered`` policy.
+* ``gather_per_rank``: every rank's copy of a small value (checkpoint state kept per rank).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from torch import nn
 from grpo_lightning.config import ConfigError
 
 if TYPE_CHECKING:
-    from lightning import LightningModule
     from torch.distributed.device_mesh import DeviceMesh
 
 _GATHERED = "_grpo_gathered"  # set on a model while ``gathered`` holds its full weights (nested use is a no-op)
@@ -145,15 +144,6 @@ def shard_model(
     return model
 
 
-def is_sharded(model: nn.Module | None) -> bool:
-    """Whether ``model`` is sharded by FSDP2 or DeepSpeed ZeRO-3."""
-    if model is None:
-        return False
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule) or any(hasattr(p, "ds_id") for p in model.parameters())
-
-
 def broadcast_module(model: nn.Module, src: int = 0, *, trainable_only: bool = False) -> None:
     """Copy rank ``src``'s parameters (and buffers) to every rank: random initialisations must agree before
     sharding, since each rank keeps its own slice of its own copy."""
@@ -214,11 +204,12 @@ def gathered(model: nn.Module | None) -> Iterator[None]:
         setattr(model, _GATHERED, False)
 
 
-@contextlib.contextmanager
-def rollout_context(module: LightningModule) -> Iterator[None]:
-    """A rollout round's surroundings: the Trainer's precision (autocast under ``bf16-mixed``, as in
-    ``training_step``) and the policy's full weights, gathered once for the whole round."""
-    trainer = module._trainer
-    precision = trainer.precision_plugin.forward_context() if trainer is not None else contextlib.nullcontext()
-    with precision, gathered(getattr(module, "policy", None)):
-        yield
+def gather_per_rank(trainer: Any, value: Any) -> list[Any]:
+    """``value`` of every rank, in rank order (a collective under data parallelism: call it on every rank);
+    ``[value]`` in a single process. For small picklable state (positions, RNG states), not for tensors."""
+    world = trainer.world_size if trainer is not None else 1
+    if world == 1 or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return [value]
+    gathered_values: list[Any] = [None] * world
+    torch.distributed.all_gather_object(gathered_values, value)
+    return gathered_values

@@ -21,8 +21,6 @@ if TYPE_CHECKING:
     from datasets import Dataset
     from transformers import PreTrainedTokenizerBase
 
-    from grpo_lightning.module import GRPOModule
-
 log = logging.getLogger(__name__)
 
 # Settings that decide the shape of the weights: a checkpoint made with other values cannot be loaded.
@@ -91,7 +89,10 @@ SETTING_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model.weight_decay": (_at_least(0), ">= 0"),
     "model.warmup_steps": (_at_least(0), ">= 0"),
     "model.logprob_batch_size": (_at_least(1), ">= 1"),
-    "model.reward_timeout_s": (_above(0, null=True), "> 0, or null for no limit"),
+    "data.reward_timeout_s": (_above(0, null=True), "> 0, or null for no limit"),
+    "data.num_iterations": (_at_least(1), ">= 1"),
+    "data.prompts_per_round": (_at_least(1), ">= 1"),
+    "data.max_sampling_rounds": (_at_least(1), ">= 1"),
     "data.mini_batch_size": (_at_least(1, null=True), ">= 1, or null for the whole rollout"),
     "data.micro_batch_size": (_at_least(1, null=True), ">= 1, or null for the whole mini-batch"),
     "data.val_batch_size": (_at_least(1), ">= 1"),
@@ -162,11 +163,8 @@ def model_source_error(name: str, err: OSError) -> ConfigError:
 
 
 # --------------------------------------------------------------------------------------------------- data
-def model_context_length(module: GRPOModule) -> int | None:
-    """The longest sequence (prompt + completion) the policy supports, from its config; None when unknown."""
-    if module.hparams.model_name_or_path is None:
-        return module.tiny_model.max_position_embeddings
-    config = _model_config(module.hparams.model_name_or_path)
+def config_context_length(config: Any) -> int | None:
+    """The longest sequence (prompt + completion) a model config allows; None when it does not say."""
     config = getattr(config, "text_config", None) or config  # multimodal configs nest the language model's
     for key in _CONTEXT_KEYS:
         value = getattr(config, key, None)
@@ -175,35 +173,31 @@ def model_context_length(module: GRPOModule) -> int | None:
     return None
 
 
-def prompt_token_lengths(module: GRPOModule, prompts: Sequence[str]) -> list[int]:
-    """Token count of each prompt as ``GRPOModule.encode_prompts`` tokenizes it (chat template included)."""
-    tokenizer = module.tokenizer
-    chat = module.hparams.use_chat_template
-    if chat:
-        prompts = [
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-            for p in prompts
-        ]
-    encoded = tokenizer(list(prompts), add_special_tokens=not chat)["input_ids"]
-    return [len(ids) for ids in encoded]
+def check_prompts(
+    data: Dataset,
+    where: str,
+    *,
+    token_lengths: Callable[[list[str]], list[int]] | None = None,
+    context_length: int | None = None,
+    max_new_tokens: int = 0,
+) -> None:
+    """Every prompt is a non-empty string, and the longest one plus the completion fits the model's context.
 
-
-def check_prompts(module: GRPOModule, data: Dataset, where: str) -> None:
-    """Every prompt is a non-empty string, and the longest one plus the completion fits the model's context."""
+    ``token_lengths(prompts)``: each prompt's token count as the model is given it (``PromptEncoder``).
+    """
     prompts = data["prompt"]
     for row, prompt in enumerate(prompts):
         if not isinstance(prompt, str) or not prompt.strip():
             raise ConfigError(f"{where} row {row}: the prompt is {prompt!r}; every row needs a non-empty prompt")
-    context = model_context_length(module)
-    if context is None:
+    if context_length is None or token_lengths is None:
         return
-    lengths = prompt_token_lengths(module, prompts)
+    lengths = token_lengths(list(prompts))
     row = max(range(len(lengths)), key=lengths.__getitem__)
-    max_new = module.sampling.max_new_tokens
-    if lengths[row] + max_new > context:
+    if lengths[row] + max_new_tokens > context_length:
         raise ConfigError(
-            f"{where} row {row}: its prompt of {lengths[row]} tokens + model.sampling.max_new_tokens={max_new} "
-            f"exceed the model's context of {context} tokens; shorten the prompts or lower max_new_tokens"
+            f"{where} row {row}: its prompt of {lengths[row]} tokens + data.sampling.max_new_tokens="
+            f"{max_new_tokens} exceed the model's context of {context_length} tokens; shorten the prompts or lower "
+            "max_new_tokens"
         )
 
 
@@ -276,19 +270,12 @@ def check_checkpoint_hparams(saved: Mapping[str, Any], current: Mapping[str, Any
 
 
 def _settings(key: str, value: Any) -> Any:
-    from grpo_lightning.config import ObjectiveConfig, SamplingConfig
-    from grpo_lightning.rewards import RewardSpec
+    from grpo_lightning.config import ObjectiveConfig
 
     # Defaults filled in: a setting left out (or added to the class since the checkpoint) is not a change.
-    if key == "rewards" and isinstance(value, (list, tuple)):
-        value = [_normalised(RewardSpec, spec) for spec in value]
-    elif key in ("sampling", "objective") and value is not None:
-        value = _normalised(SamplingConfig if key == "sampling" else ObjectiveConfig, value)
-    value = _plain(value)
-    if key == "objective" and isinstance(value, dict):
-        # β is state, not a setting, under KLController: the saved hyperparameters hold its controlled value.
-        value = {k: v for k, v in value.items() if k != "beta"}
-    return value
+    if key == "objective" and value is not None:
+        value = _normalised(ObjectiveConfig, value)
+    return _plain(value)
 
 
 def check_state_dict_shapes(saved: Mapping[str, Any], expected: Mapping[str, Tensor], source: str) -> None:
@@ -305,21 +292,30 @@ def check_state_dict_shapes(saved: Mapping[str, Any], expected: Mapping[str, Ten
             raise ConfigError(f"checkpoint {source} has no {missing[0]}: it belongs to another model")
 
 
-def check_checkpoint_fits(module: GRPOModule, checkpoint: dict[str, Any]) -> None:
-    """On load: refuse a checkpoint of another model (settings, then weight shapes); warn of changed settings."""
-    trainer = module._trainer
-    source = repr(str(getattr(trainer, "ckpt_path", None) or "")) if trainer is not None else "''"
+def check_checkpoint_fits(
+    checkpoint: dict[str, Any],
+    *,
+    hparams: Mapping[str, Any],
+    expected_state: Mapping[str, Tensor],
+    has_reference: bool,
+    source: str,
+) -> None:
+    """On load: refuse a checkpoint of another model (settings, then weight shapes); warn of changed settings.
+
+    ``hparams``: the module's own settings; ``expected_state``: its ``state_dict()``; ``has_reference``: whether
+    it has a reference model now (a saved one is dropped when β became 0); ``source`` names the checkpoint.
+    """
     saved = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items() if not k.startswith("_")}
-    current = {k: v for k, v in module.hparams.items() if not k.startswith("_")}
+    current = {k: v for k, v in hparams.items() if not k.startswith("_")}
     changed = check_checkpoint_hparams(saved, current, source)
     if changed:
         log.warning("checkpoint %s was made with other values of %s; the config's apply", source, ", ".join(changed))
     state = checkpoint.get("state_dict")
     if state is not None:
-        if module.ref is None:  # β is 0 now: no reference model to load a saved one into
+        if not has_reference:  # β is 0 now: no reference model to load a saved one into
             for key in [k for k in state if k.startswith("ref.")]:
                 del state[key]
-        check_state_dict_shapes(state, module.state_dict(), source)
+        check_state_dict_shapes(state, expected_state, source)
 
 
 def read_checkpoint_hparams(path: str) -> Mapping[str, Any] | None:

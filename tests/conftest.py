@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 # One intra-op thread for the whole suite, set before torch is imported: tests fork training processes
 # (test_crash), and a child forked after torch's OpenMP pool has started can deadlock; the tiny models gain
 # nothing from threads, and subprocess tests don't oversubscribe the cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+# tools/ holds the measurement helpers some tests use (memory_probe, run_logs): importable by their names.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

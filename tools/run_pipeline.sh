@@ -6,7 +6,7 @@
 #   3. rejection sampling from the stage-2 policy (right answers only) and SFT of the stage-1 model on them
 #   4. second RL stage: GRPO with exact_answer + a tiny trained reward model (weights in the YAML), curriculum on
 #
-# Each stage starts from the previous stage's Hugging Face folder (grpo_lightning.sft.SaveHFModel), validates on
+# Each stage starts from the previous stage's Hugging Face folder (grpo_lightning.callbacks.SaveHFModel), validates on
 # the 500 held-out prompts at its end, and the held-out greedy accuracy is printed after it. Everything is written
 # under runs/pipeline/ (the paths in configs/pipeline/*.yaml), which is emptied first.
 #

@@ -1,28 +1,26 @@
-"""Checkpoints that resume a run exactly: saved at round boundaries, written atomically, also on SIGTERM.
+"""``RoundCheckpoint``: checkpoints that resume a run exactly, saved at round boundaries, also on SIGTERM.
 
-- :class:`RoundCheckpoint` (a ``ModelCheckpoint``) saves every ``every_n_rounds`` rounds, after every other
-  end-of-round hook (so the adaptive β of ``KLController`` is already updated), and keeps ``last.ckpt`` for
-  ``--ckpt_path last``. A SIGTERM (pre-emption) during a rollout stops the run at once with a checkpoint of the last
-  completed round; one during the update lets the round finish, then saves it and stops. A run that fails during a
-  rollout (a reward function that raises, say) also leaves a checkpoint of the last completed round.
-- :class:`AtomicCheckpointIO` writes each file to a temporary file in the same folder, fsyncs it and renames it
-  over the target: a kill mid-write leaves the previous checkpoint intact, and the temporary name never matches
-  ``last*.ckpt``. ``RoundCheckpoint`` installs it unless the strategy has a checkpoint IO of its own.
-- :func:`collect_rng_states` / :func:`restore_rng_states`: the global RNGs (torch, CUDA, numpy, python) that
-  ``GRPOModule`` keeps in its checkpoints.
+- Saves every ``every_n_rounds`` rounds, after every other end-of-round hook (so the adaptive β of
+  ``KLController`` is already updated), and keeps ``last.ckpt`` for ``--ckpt_path last``.
+- Adds every rank's global RNG states (torch, CUDA, numpy, python) to each checkpoint and restores them: with
+  the DataModule's prompt and sampling streams, a resumed run draws what an uninterrupted one would have.
+- A SIGTERM (pre-emption) during a rollout stops the run at once with a checkpoint of the last completed round;
+  one during the update lets the round finish, then saves it and stops. A run that fails during a rollout (a
+  reward function that raises, say) also leaves a checkpoint of the last completed round.
+
+Files are written atomically when the Trainer has ``grpo_lightning.checkpoint_io.AtomicCheckpointIO`` as a
+plugin (the CLI adds it); without it a warning says so.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import os
 import random
 import signal
 import threading
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,25 +29,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from grpo_lightning.config import ConfigError, ObjectiveConfig, SamplingConfig
-from grpo_lightning.lora import LoraConfig
-from grpo_lightning.models.tiny import TinyModelConfig
-from grpo_lightning.rewards.combine import RewardSpec
-from grpo_lightning.validation import check_checkpoint_fits
-
-if TYPE_CHECKING:
-    from grpo_lightning.module import GRPOModule
+from grpo_lightning.checkpoint_io import remove_partial_checkpoints
+from grpo_lightning.config import ConfigError
+from grpo_lightning.strategies import gather_per_rank
 
 log = logging.getLogger(__name__)
-
-# Test hook: seconds to sleep once a checkpoint's bytes are written but before the file is renamed into place, so
-# that a test can kill the process in the middle of a write.
-WRITE_DELAY_ENV = "GRPO_CHECKPOINT_WRITE_DELAY_S"
-_TMP_MARKER = ".tmp-"
-
-# Lightning loads checkpoints with ``torch.load(weights_only=True)``: the settings objects saved with the
-# hyperparameters must be allowed explicitly, or every resume fails to unpickle them.
-torch.serialization.add_safe_globals([TinyModelConfig, SamplingConfig, ObjectiveConfig, RewardSpec, LoraConfig])
 
 
 # ------------------------------------------------------------------------------------------------ RNG states
@@ -79,119 +63,6 @@ def restore_rng_states(states: dict[str, Any]) -> None:
         random.setstate((version, tuple(internal), gauss))
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["cuda"])
-
-
-# ------------------------------------------------------------------------------- GRPOModule's checkpoint part
-def module_checkpoint_state(module: GRPOModule) -> dict[str, Any]:
-    """What ``GRPOModule.on_save_checkpoint`` adds: every rank's RNG states and sampling generator, the guard.
-
-    Called on every rank (``trainer.save_checkpoint`` runs the hook everywhere), so the ranks' states can be
-    gathered into the file that rank 0 writes.
-    """
-    local = {**collect_rng_states(), "sampling_generator": module.sampling_generator_state()}
-    trainer = module._trainer
-    world = trainer.world_size if trainer is not None else 1
-    if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-        per_rank: list[Any] = [None] * world
-        torch.distributed.all_gather_object(per_rank, local)
-    else:
-        per_rank = [local]
-    return {
-        "sampling_generator": per_rank[0]["sampling_generator"],  # rank 0's, as older checkpoints have it
-        "rng_states": per_rank,
-        "nonfinite_guard": module.nonfinite.state_dict(),
-    }
-
-
-def restore_module_checkpoint(module: GRPOModule, checkpoint: dict[str, Any]) -> None:
-    """``GRPOModule.on_load_checkpoint``: refuse another model's checkpoint, then restore the RNGs and loops."""
-    trainer = module._trainer
-    check_checkpoint_fits(module, checkpoint)
-    rank = module.global_rank
-    per_rank = checkpoint.get("rng_states")
-    if per_rank:
-        if len(per_rank) != (trainer.world_size if trainer is not None else 1):
-            log.warning("the checkpoint was made by %d processes: the sampling streams change", len(per_rank))
-        entry = per_rank[rank] if rank < len(per_rank) else {}
-        restore_rng_states(entry)
-        module.set_sampling_generator_state(entry.get("sampling_generator"))
-    else:  # older checkpoints: rank 0's generator only
-        module.set_sampling_generator_state(checkpoint.get("sampling_generator") if rank == 0 else None)
-    module.nonfinite.load_state_dict(checkpoint.get("nonfinite_guard", {}))
-    complete_round_in_loops(checkpoint)
-
-
-def complete_round_in_loops(checkpoint: dict[str, Any]) -> None:
-    """Mark a round saved at its end (``on_train_epoch_end``) as completed in the fit loop's progress.
-
-    Lightning counts such an epoch as completed only after the save. Resumed as saved, the fit loop first builds
-    a train loader (one rollout) and then, being an epoch further, reloads it (a second rollout): the first one's
-    prompts and samples would be lost, and the run would no longer match an uninterrupted one.
-    """
-    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress")
-    if not progress:
-        return
-    parts = [progress.get("total"), progress.get("current")]
-    if all(p and p["ready"] == p["started"] == p["processed"] == p["completed"] + 1 for p in parts):
-        for p in parts:
-            p["completed"] = p["processed"]
-
-
-# ----------------------------------------------------------------------------------------------- atomic IO
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """``torch.save`` to a temporary file next to the target, fsync, then ``os.replace`` (atomic on POSIX).
-
-    Lightning's own writer stages the bytes in memory and in the system temp folder, then moves them: a copy, not a
-    rename, when that folder is on another file system, and nothing is fsynced. Remote paths (``s3://``...) keep
-    Lightning's writer.
-    """
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
-        """Write ``checkpoint`` to ``path`` so that ``path`` is at every moment either the old or the new file."""
-        if storage_options is not None or "://" in str(path):
-            super().save_checkpoint(checkpoint, path, storage_options)
-            return
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Same folder, so the rename cannot cross file systems; a name ending in neither .ckpt nor "last".
-        tmp = target.parent / f".{target.name}{_TMP_MARKER}{os.getpid()}"
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                delay = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
-                if delay > 0:
-                    time.sleep(delay)
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        _fsync_dir(target.parent)  # the rename itself survives a power cut only once the folder is synced
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some platforms cannot open folders; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def remove_partial_checkpoints(dirpath: str | Path) -> list[Path]:
-    """Delete the temporary files that a write killed mid-way left in ``dirpath``; returns what was removed."""
-    folder = Path(dirpath)
-    if not folder.is_dir():
-        return []
-    removed = [p for p in folder.glob(f".*{_TMP_MARKER}*") if p.is_file()]
-    for p in removed:
-        p.unlink(missing_ok=True)
-    return removed
 
 
 # --------------------------------------------------------------------------------------------- the callback
@@ -246,6 +117,8 @@ class RoundCheckpoint(ModelCheckpoint):
         # rollout draws from them. Their values at the boundary make a checkpoint of that round possible then.
         self._at_boundary = False
         self._boundary: dict[str, Any] | None = None
+        self._saved_at_step: int | None = None  # global step of the newest checkpoint any callback saved
+        self._warned_io = False
 
     # ------------------------------------------------------------------------------------------ naming
     def format_checkpoint_name(
@@ -258,10 +131,14 @@ class RoundCheckpoint(ModelCheckpoint):
 
     # ----------------------------------------------------------------------------------------- hooks
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """Resolve the folder, install the atomic writer, clear what a killed write left behind."""
+        """Resolve the folder, clear what a killed write left behind."""
         super().setup(trainer, pl_module, stage)
-        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # not a strategy's own (distributed) IO
-            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO and not self._warned_io:
+            self._warned_io = True
+            log.warning(
+                "checkpoints are written with Lightning's TorchCheckpointIO, not atomically: give the Trainer "
+                "plugins=[grpo_lightning.checkpoint_io.AtomicCheckpointIO()] (the CLI does)"
+            )
         if stage == "fit" and trainer.is_global_zero and self.dirpath and "://" not in str(self.dirpath):
             for path in remove_partial_checkpoints(self.dirpath):
                 log.info("removed %s, left by a checkpoint write that did not finish", path)
@@ -276,15 +153,29 @@ class RoundCheckpoint(ModelCheckpoint):
         """Replace Lightning's SIGTERM handler, which would stop the run mid-round, by ours alone."""
         self._install_handler(exclusive=True)
 
-    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """The rollout is done and the update begins: from now on the round is incomplete."""
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        """The rollout is done (it runs when the round's first batch is fetched) and the update begins: from now
+        on the round is incomplete."""
         self._at_boundary = False
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Every rank's global RNG states go into the checkpoint (called on every rank, as the save is)."""
+        checkpoint["rng_states"] = gather_per_rank(trainer, collect_rng_states())
+        self._saved_at_step = trainer.global_step
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        """This rank's RNG states from the checkpoint (a checkpoint of another number of ranks: rank 0's)."""
+        per_rank = checkpoint.get("rng_states") or []
+        if per_rank:
+            if len(per_rank) != trainer.world_size:
+                log.warning("the checkpoint was made by %d processes: the random streams change", len(per_rank))
+            restore_rng_states(per_rank[trainer.global_rank] if trainer.global_rank < len(per_rank) else per_rank[0])
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Periodic save; on a pending SIGTERM, save this round (if not saved just now) and stop."""
         super().on_train_epoch_end(trainer, pl_module)
         if self.stop_on_sigterm and trainer.strategy.reduce_boolean_decision(self._sigterm, all=False):
-            if getattr(self, "_last_global_step_saved", None) != trainer.global_step:
+            if self._saved_at_step != trainer.global_step:
                 self._save_last_round(trainer)
             rounds = trainer.fit_loop.epoch_progress.current.processed
             log.warning("SIGTERM: stopping after round %d, saved in %s", rounds, self.last_model_path)
@@ -293,7 +184,7 @@ class RoundCheckpoint(ModelCheckpoint):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """The run is over: ``last.ckpt`` gets its final round even when that is not a multiple of N."""
-        if self.save_last and getattr(self, "_last_global_step_saved", None) != trainer.global_step:
+        if self.save_last and self._saved_at_step != trainer.global_step:
             self._save_last_round(trainer)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -312,7 +203,7 @@ class RoundCheckpoint(ModelCheckpoint):
         if rounds == 0:
             return  # no round completed: nothing to resume from
         self._restore_boundary(trainer, pl_module)
-        if getattr(self, "_last_global_step_saved", None) != trainer.global_step or not self.last_model_path:
+        if self._saved_at_step != trainer.global_step or not self.last_model_path:
             self._save_last_round(trainer)
         log.warning(
             "%s during the rollout of round %d: round %d is saved in %s (resume with --ckpt_path last)",
@@ -361,10 +252,8 @@ class RoundCheckpoint(ModelCheckpoint):
             self._boundary, self._at_boundary = None, False
             return
         datamodule = trainer.datamodule
-        get_state = getattr(pl_module, "sampling_generator_state", None)
         self._boundary = {
             "datamodule": copy.deepcopy(datamodule.state_dict()) if datamodule is not None else None,
-            "sampling_generator": get_state() if get_state is not None else None,
             "rng": collect_rng_states(),
         }
         self._at_boundary = True
@@ -373,9 +262,6 @@ class RoundCheckpoint(ModelCheckpoint):
         assert self._boundary is not None
         if self._boundary["datamodule"] is not None and trainer.datamodule is not None:
             trainer.datamodule.load_state_dict(self._boundary["datamodule"])
-        set_state = getattr(pl_module, "set_sampling_generator_state", None)
-        if set_state is not None:
-            set_state(self._boundary["sampling_generator"])
         restore_rng_states(self._boundary["rng"])
 
     def _save_last_round(self, trainer: Trainer) -> None:
@@ -384,7 +270,6 @@ class RoundCheckpoint(ModelCheckpoint):
             path = self.format_checkpoint_name({}, self.CHECKPOINT_NAME_LAST)
         self.last_model_path = path  # part of this callback's state, so set before the save
         trainer.save_checkpoint(path, self.save_weights_only)
-        self._last_global_step_saved = trainer.global_step
 
 
 def _in_main_thread() -> bool:

@@ -1,13 +1,13 @@
 """KL control and reference-model sync: the two callbacks that change β or π_ref during a run.
 
-Both keep their state in checkpoints (``state_dict``), so a resumed run continues with the same β and π_ref.
+They act through ``GRPOModule``'s public methods (``set_beta``, ``update_reference``). ``KLController`` keeps
+the controlled β in its checkpoint state; a moved π_ref is saved by the module itself.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 from lightning import Callback, LightningModule, Trainer
 
 from grpo_lightning.config import ConfigError
@@ -42,7 +42,7 @@ class KLController(Callback):
         if self.target_kl is not None and pl_module.objective.beta <= 0:
             raise ConfigError("KLController.target_kl needs model.objective.beta > 0 to start from (and a reference)")
         if self.beta is not None:
-            pl_module.objective.beta = self.beta  # resumed: continue from the controlled value
+            pl_module.set_beta(self.beta)  # resumed: continue from the controlled value
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int
@@ -60,9 +60,9 @@ class KLController(Callback):
         if self.target_kl is not None:
             rollout = getattr(trainer.datamodule, "last_rollout", None)
             num_samples = len(rollout) * trainer.world_size if rollout is not None else 1
-            self.beta = adaptive_beta(pl_module.objective.beta, kl, self.target_kl, num_samples, self.horizon)
-            pl_module.objective.beta = self.beta
-        pl_module.log("train/beta", pl_module.objective.beta)
+            self.beta = adaptive_beta(pl_module.beta, kl, self.target_kl, num_samples, self.horizon)
+            pl_module.set_beta(self.beta)
+        pl_module.log("train/beta", pl_module.beta)
 
     def state_dict(self) -> dict[str, Any]:
         return {"beta": self.beta}
@@ -83,21 +83,19 @@ class ReferenceSync(Callback):
         if not 0 < alpha <= 1:
             raise ConfigError(f"ReferenceSync.alpha must be in (0, 1] (got {alpha})")
         self.sync_steps, self.alpha = sync_steps, alpha
+        self._last_synced: int | None = None
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if pl_module.ref is None:
-            raise ConfigError("ReferenceSync needs a reference model: set model.objective.beta > 0")
-        pl_module.ref_changes = True
+            raise ConfigError("ReferenceSync needs a reference model: set model.objective.beta > 0 (without LoRA)")
 
-    @torch.no_grad()
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int
     ) -> None:
         # global_step counts optimizer steps; with gradient accumulation it repeats across micro-batches.
         step = trainer.global_step
-        if step == 0 or step % self.sync_steps or getattr(self, "_last_synced", None) == step:
+        if step == 0 or step % self.sync_steps or self._last_synced == step:
             return
         self._last_synced = step
-        for ref_param, param in zip(pl_module.ref.parameters(), pl_module.policy.parameters()):
-            ref_param.lerp_(param.detach().to(ref_param.dtype), self.alpha)
+        pl_module.update_reference(self.alpha)
         pl_module.log("train/ref_synced_at", float(step))

@@ -1,8 +1,8 @@
 """``RoundTimer``: the time of each round's update and its training throughput, next to the rollout's timings.
 
-The rollout (``time/generate``, ``time/score``, ``time/logprobs``) runs in ``train_dataloader()``, before the
-epoch starts; the update is everything from the epoch start to the end of its last training batch, so a
-validation run at the round's end is not counted.
+The rollout (``time/generate``, ``time/score``, ``time/logprobs``) runs when the round's first batch is fetched;
+the update is everything from the start of that first batch to the end of the round's last training batch, so
+neither the rollout nor a validation run at the round's end is counted.
 """
 
 from __future__ import annotations
@@ -32,10 +32,12 @@ class RoundTimer(Callback):
         self._tokens = 0
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._start = self._last_batch_end = time.perf_counter()
+        self._start = self._last_batch_end = None
         self._tokens = 0
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: dict, batch_idx: int) -> None:
+        if self._start is None:  # the round's first batch: its rollout has just been generated
+            self._start = time.perf_counter()
         mask = batch.get("completion_mask") if isinstance(batch, dict) else None
         if mask is not None:
             self._tokens += int(mask.sum())

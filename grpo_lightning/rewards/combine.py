@@ -191,6 +191,56 @@ def _check_values(name: str, values: Any, completions: Sequence[str]) -> list[fl
     return checked
 
 
+def call_reward(
+    spec: RewardSpec,
+    fn: Callable[..., Any],
+    prompts: list[str],
+    completions: list[str],
+    columns: dict[str, list[Any]],
+    *,
+    check: Callable[[str, Any, Sequence[str]], list],
+    zeros: Callable[[], list],
+    on_error: Literal["raise", "zero"] = "raise",
+    timeout_s: float | None = None,
+) -> list:
+    """One reward function's values for a batch, checked by ``check``; the same failure handling for every kind.
+
+    A function that raises, returns something unusable (``RewardError``) or runs past ``timeout_s`` (its call on
+    the whole batch, see :func:`call_with_time_limit`) is reported with its name, and with the first completion
+    that alone also runs past the limit (looked for within 2 × ``timeout_s``); with ``on_error="zero"`` it gives
+    ``zeros()`` instead.
+    """
+    try:
+        return check(spec.name, call_with_time_limit(fn, timeout_s, prompts, completions, **columns), completions)
+    except TimeLimitExceeded as err:
+        if err.token is not None:
+            raise  # an enclosing time limit of the caller's ran out, not ours
+        if on_error == "zero":
+            return zeros()
+        assert timeout_s is not None
+        slow = _find_slow_completion(fn, timeout_s, prompts, completions, columns)
+        where = (
+            f"completion {slow} alone ({completions[slow][:80]!r}) takes longer"
+            if slow is not None
+            else "no single completion was found to take that long alone"
+        )
+        raise RewardError(
+            f"reward {spec.name!r} ran longer than timeout_s={timeout_s:g}s on a batch of "
+            f"{len(completions)} completions; {where}"
+        ) from None
+    except RewardError:
+        if on_error == "zero":
+            return zeros()
+        raise
+    except Exception as err:  # a user's function failed: name it and the data it failed on
+        if on_error == "zero":
+            return zeros()
+        raise RewardError(
+            f"reward {spec.name!r} raised {type(err).__name__}: {err} "
+            f"(first completion of the batch: {completions[0][:80]!r})"
+        ) from err
+
+
 def score(
     specs: Sequence[RewardSpec],
     fns: Sequence[Callable[..., list]],
@@ -201,51 +251,25 @@ def score(
     on_error: Literal["raise", "zero"] = "raise",
     timeout_s: float | None = None,
 ) -> tuple[list[float], dict[str, list[float | None]]]:
-    """Run every reward function; return the weighted total per completion and each function's values.
+    """Run every (outcome) reward function; return the weighted total per completion and each function's values.
 
-    ``None`` (not applicable) counts as 0 in the total and is left out of that function's logged mean. A
-    function that raises is reported with its name; with ``on_error="zero"`` its values become 0 instead.
-    ``timeout_s`` limits each function's call on the whole batch (see :func:`call_with_time_limit`); a function
-    that runs past it is reported with the first completion that alone also runs past it (looked for within
-    2 × ``timeout_s``), or gives zeros with ``on_error="zero"``.
+    ``None`` (not applicable) counts as 0 in the total and is left out of that function's logged mean. Failures
+    are handled by :func:`call_reward`.
     """
     per_function: dict[str, list[float | None]] = {}
     total = [0.0] * len(completions)
     for spec, fn in zip(specs, fns, strict=True):
-        try:
-            values = _check_values(
-                spec.name, call_with_time_limit(fn, timeout_s, prompts, completions, **columns), completions
-            )
-        except TimeLimitExceeded as err:
-            if err.token is not None:
-                raise  # an enclosing time limit of the caller's ran out, not ours
-            if on_error == "zero":
-                values = [0.0] * len(completions)
-            else:
-                assert timeout_s is not None
-                slow = _find_slow_completion(fn, timeout_s, prompts, completions, columns)
-                where = (
-                    f"completion {slow} alone ({completions[slow][:80]!r}) takes longer"
-                    if slow is not None
-                    else "no single completion was found to take that long alone"
-                )
-                raise RewardError(
-                    f"reward {spec.name!r} ran longer than timeout_s={timeout_s:g}s on a batch of "
-                    f"{len(completions)} completions; {where}"
-                ) from None
-        except RewardError:
-            if on_error == "zero":
-                values = [0.0] * len(completions)
-            else:
-                raise
-        except Exception as err:  # a user's function failed: name it and the data it failed on
-            if on_error == "zero":
-                values = [0.0] * len(completions)
-            else:
-                raise RewardError(
-                    f"reward {spec.name!r} raised {type(err).__name__}: {err} "
-                    f"(first completion of the batch: {completions[0][:80]!r})"
-                ) from err
+        values = call_reward(
+            spec,
+            fn,
+            prompts,
+            completions,
+            columns,
+            check=_check_values,
+            zeros=lambda: [0.0] * len(completions),
+            on_error=on_error,
+            timeout_s=timeout_s,
+        )
         per_function[spec.name] = values
         for i, value in enumerate(values):
             if value is not None:
@@ -265,34 +289,57 @@ def step_separator(fn: Callable[..., Any]) -> str:
     return getattr(base, "step_separator", "\n")
 
 
+def _step_checker(separator: str) -> Callable[[str, Any, Sequence[str]], list[list[float]]]:
+    """``check`` for :func:`call_reward`: one finite number per step of every completion."""
+
+    def check(name: str, values: Any, completions: Sequence[str]) -> list[list[float]]:
+        if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+            raise RewardError(f"process reward {name!r} must return one list of step rewards per completion")
+        for i, steps in enumerate(values):
+            expected = len(completions[i].split(separator))
+            if not isinstance(steps, (list, tuple)) or len(steps) != expected:
+                raise RewardError(
+                    f"process reward {name!r} returned {steps!r} for completion {i} ({completions[i][:80]!r}), "
+                    f"which has {expected} steps separated by {separator!r}"
+                )
+            for value in steps:
+                if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                    raise RewardError(f"process reward {name!r} returned a non-finite or non-number step reward")
+        return [[float(v) for v in steps] for steps in values]
+
+    return check
+
+
 def score_steps(
     specs: Sequence[RewardSpec],
     fns: Sequence[Callable[..., list]],
     prompts: list[str],
     completions: list[str],
     columns: dict[str, list[Any]],
+    *,
+    on_error: Literal["raise", "zero"] = "raise",
+    timeout_s: float | None = None,
 ) -> list[list[float]]:
     """Weighted sum of the process rewards: for each completion, one reward per step.
 
     The steps of a completion are ``completion.split(separator)``; each process reward function returns, for
-    every completion, a list with one number per step (DeepSeekMath §4.1.3 process supervision).
+    every completion, a list with one number per step (DeepSeekMath §4.1.3 process supervision). Failures and
+    time limits are handled as for outcome rewards (:func:`call_reward`); zeros are one 0 per step.
     """
     totals: list[list[float]] | None = None
     for spec, fn in zip(specs, fns):
         separator = step_separator(fn)
-        values = fn(prompts, completions, **columns)
-        if not isinstance(values, (list, tuple)) or len(values) != len(completions):
-            raise RewardError(f"process reward {spec.name!r} must return one list of step rewards per completion")
-        for i, steps in enumerate(values):
-            expected = len(completions[i].split(separator))
-            if not isinstance(steps, (list, tuple)) or len(steps) != expected:
-                raise RewardError(
-                    f"process reward {spec.name!r} returned {steps!r} for completion {i} ({completions[i][:80]!r}), "
-                    f"which has {expected} steps separated by {separator!r}"
-                )
-            for value in steps:
-                if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                    raise RewardError(f"process reward {spec.name!r} returned a non-finite or non-number step reward")
-        weighted = [[spec.weight * float(v) for v in steps] for steps in values]
+        values = call_reward(
+            spec,
+            fn,
+            prompts,
+            completions,
+            columns,
+            check=_step_checker(separator),
+            zeros=lambda separator=separator: [[0.0] * len(c.split(separator)) for c in completions],
+            on_error=on_error,
+            timeout_s=timeout_s,
+        )
+        weighted = [[spec.weight * v for v in steps] for steps in values]
         totals = weighted if totals is None else [[a + b for a, b in zip(t, w)] for t, w in zip(totals, weighted)]
     return totals or []

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from grpo_lightning.models.lean import prompt_groups
-from grpo_lightning.rollout.logprobs import token_positions
+from grpo_lightning.models.logprobs import token_positions
 
 
 @dataclass
@@ -33,7 +33,12 @@ class RolloutBatch:
     reward_columns: dict[str, list[float | None]] = field(default_factory=dict)
     step_rewards: Tensor | None = None  # [N, S] process rewards per step (NaN = no such step)
     step_ends: Tensor | None = None  # [N, S] token index where each step ends
+    correct: list[bool] | None = None  # [N] the accuracy reward >= 1 (None when no outcome reward decides it)
     metrics: dict[str, float] = field(default_factory=dict)
+    # How the round was sampled, for the loss: the temperature of π_old (the update's log-probs use the same),
+    # and the length limit (Dr. GRPO's constant normaliser).
+    temperature: float = 1.0
+    max_new_tokens: int = 0
 
     def __len__(self) -> int:
         return self.completion_ids.size(0)
@@ -98,6 +103,8 @@ class RolloutBatch:
             "prompt_first": groups.first,
             "prompt_inverse": groups.inverse,
             "prompts_padded": groups.padded,
+            "temperature": self.temperature,
+            "max_completion_length": self.max_new_tokens,
         }
         if self.old_logprobs is not None:
             batch["old_logprobs"] = self.old_logprobs[rows, :keep]

@@ -24,7 +24,6 @@ from torch import Tensor
 from grpo_lightning.config import ConfigError
 
 if TYPE_CHECKING:
-    from grpo_lightning.module import GRPOModule
     from grpo_lightning.rollout.batch import RolloutBatch
 
 UNSEEN, PREFERRED, TOO_HARD, TOO_EASY = 0, 1, 2, 3
@@ -48,7 +47,7 @@ class CurriculumConfig:
     history: float = 0.5
     """Smoothing: ``rate ← history × rate + (1 − history) × observed``; 0 keeps the last round only."""
     success_threshold: float = 1.0
-    """A completion solves its prompt when the accuracy reward (``model.accuracy_reward``; else the total
+    """A completion solves its prompt when the accuracy reward (``data.accuracy_reward``; else the total
     reward) is at least this."""
 
     def __post_init__(self) -> None:
@@ -117,17 +116,25 @@ class CurriculumSampler:
         return mine.tolist()
 
     # ----------------------------------------------------------------------------------- observations
-    def observe(self, rollout: RolloutBatch, prompt_of: Callable[[int], str], module: GRPOModule) -> None:
+    def observe(
+        self,
+        rollout: RolloutBatch,
+        prompt_of: Callable[[int], str],
+        group_size: int,
+        accuracy_reward: str | None,
+        all_gather: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
         """Update the pass rates from a finished rollout and add ``curriculum/`` metrics to ``rollout.metrics``.
 
         ``prompt_of(index)`` is the prompt text of a dataset index: a rollout's groups are matched to the
-        indices drawn for them by their text (dynamic sampling drops and reorders groups).
+        indices drawn for them by their text (dynamic sampling drops and reorders groups). ``all_gather``
+        (under data parallelism) collects every rank's groups, so every rank makes the same update.
         """
-        group_size = module.sampling.group_size
-        indices, rates = self._match(rollout, prompt_of, group_size, module.accuracy_reward)
-        if module.trainer is not None and module.trainer.world_size > 1:  # the same update on every rank
-            indices = module.all_gather(indices.to(module.device)).flatten().cpu()
-            rates = module.all_gather(rates.to(module.device)).flatten().cpu()
+        indices, rates = self._match(rollout, prompt_of, group_size, accuracy_reward)
+        if all_gather is not None:
+            device = rollout.rewards.device
+            indices = all_gather(indices.to(device)).flatten().cpu()
+            rates = all_gather(rates.to(device)).flatten().cpu()
         self.update(indices, rates)
         rollout.metrics.update(self.metrics())
         self._pending, self._draws_this_round = [], 0

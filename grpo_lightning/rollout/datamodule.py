@@ -1,74 +1,49 @@
-"""``RolloutDataModule``: the prompt stream, and one freshly generated rollout per epoch.
+"""``RolloutDataModule``: the prompts, the rollout side of the algorithm, and one fresh rollout per epoch.
 
-One epoch is one rollout round: ``train_dataloader()`` (called at every epoch start, with
-``Trainer(reload_dataloaders_every_n_epochs=1)``) takes the next ``prompts_per_round`` prompts of this rank,
-has the policy generate and score G completions for each, and serves that rollout for μ passes in
-mini-batches (one optimizer step each) of micro-batches (one forward each).
+One epoch is one rollout round. ``train_dataloader()`` (called at every epoch start, with
+``Trainer(reload_dataloaders_every_n_epochs=1)``) returns a loader whose first batch runs the round
+(``rollout/round.py``: generate → score → filter → advantages → log-probs) on this rank's next
+``prompts_per_round`` prompts; it then serves the rollout for μ passes in mini-batches (one optimizer step
+each) of micro-batches (one forward each). The round runs when the first batch is fetched, after the epoch has
+started: a loader that Lightning builds and never iterates (as when it resumes at an epoch boundary) costs
+nothing and draws no prompt.
+
+Everything a round needs is a setting of this class (the engine, sampling, rewards, advantages, μ); from the
+LightningModule it takes only the policy side (``rollout/policy.py``: the policy, its tokenizer, the log-prob
+passes of π_old and π_ref).
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
-from datasets import Dataset, load_dataset
+from datasets import Dataset
 from lightning import LightningDataModule
 from torch.utils.data import DataLoader
 
-from grpo_lightning.config import ConfigError
-from grpo_lightning.rewards import check_required_columns
+from grpo_lightning.config import AdvantageConfig, ConfigError, EvalConfig, SamplingConfig
+from grpo_lightning.engines import RolloutEngine
+from grpo_lightning.evaluation import HeldOutSampler
+from grpo_lightning.rewards import RewardSpec
+from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.rollout.curriculum import CurriculumConfig, CurriculumSampler
-from grpo_lightning.rollout.round import collect_rollout
-from grpo_lightning.strategies import rollout_context
-from grpo_lightning.tasks import is_task, load_task
+from grpo_lightning.rollout.policy import EngineHandle, PolicySide
+from grpo_lightning.rollout.prompts import PromptEncoder, load_prompts, rename_prompt_column
+from grpo_lightning.rollout.round import RoundSettings, run_round
+from grpo_lightning.rollout.stream import PromptStream
+from grpo_lightning.strategies import gather_per_rank
 from grpo_lightning.validation import check_prompts, check_ranges
+
 
 log = logging.getLogger(__name__)
 
-_FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-
-
-def load_prompts(
-    source: str,
-    split: str,
-    *,
-    subset: str | None = None,
-    task_kwargs: dict | None = None,
-    setting: str = "data.dataset",
-) -> Dataset:
-    """A built-in task's split, a local jsonl/json/parquet/csv file, or a split of a Hub dataset.
-
-    ``setting`` names the config key that gave ``source``, for error messages.
-    """
-    if is_task(source):
-        splits = load_task(source, **(task_kwargs or {}))
-        if split not in splits:
-            raise ConfigError(f"task {source!r} has no split {split!r}; it has {', '.join(splits)}")
-        return splits[split]
-    suffix = Path(source).suffix.lower()
-    if suffix in _FILE_FORMATS:
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"{setting}: no such file {source!r}")
-        if path.stat().st_size == 0 or (suffix != ".parquet" and not path.read_text(errors="replace").strip()):
-            raise ConfigError(f"{setting}: the file {source!r} is empty; it needs at least one row")
-        # A local file is one split: the file itself (``split`` names the split of a Hub dataset only).
-        try:
-            return load_dataset(_FILE_FORMATS[suffix], data_files=source, split="train")
-        except Exception as err:  # a malformed file: name it, with the reader's own words
-            raise ConfigError(f"{setting}: cannot read {source!r} as {_FILE_FORMATS[suffix]}: {err}") from err
-    return load_dataset(source, subset, split=split)
-
-
-def _collate_rows(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    return {key: [row[key] for row in rows] for key in rows[0]}
-
 
 class RolloutDataModule(LightningDataModule):
-    """Prompts from a built-in task, a local file or the Hub; a generated rollout each epoch."""
+    """Prompts from a built-in task, a local file or the Hub; a generated, scored rollout each epoch."""
 
     def __init__(
         self,
@@ -79,15 +54,27 @@ class RolloutDataModule(LightningDataModule):
         val_dataset: str | None = None,
         val_split: str | None = "test",
         prompt_column: str = "prompt",
+        use_chat_template: bool = False,
+        rewards: list[RewardSpec] | None = None,
+        accuracy_reward: str | None = None,
+        reward_on_error: Literal["raise", "zero"] = "raise",
+        reward_timeout_s: float | None = None,
+        engine: str | RolloutEngine = "auto",
+        sampling: SamplingConfig | None = None,
+        advantage: AdvantageConfig | None = None,
         prompts_per_round: int = 16,
         mini_batch_size: int | None = None,
         micro_batch_size: int | None = None,
-        val_batch_size: int = 128,
-        val_limit: int | None = None,
+        num_iterations: int = 1,
+        old_logprobs: Literal["auto", "sampler", "recompute"] = "auto",
+        mask_truncated_completions: bool = False,
         dynamic_sampling: bool = False,
         max_sampling_rounds: int = 4,
-        seed: int = 0,
         curriculum: CurriculumConfig | None = None,
+        eval: EvalConfig | None = None,
+        val_batch_size: int = 128,
+        val_limit: int | None = None,
+        seed: int = 0,
     ) -> None:
         """
         Args:
@@ -98,96 +85,125 @@ class RolloutDataModule(LightningDataModule):
             val_dataset: held-out source (same kinds as ``dataset``); defaults to ``dataset``'s ``val_split``.
             val_split: held-out split; ``None`` disables validation.
             prompt_column: the column holding the prompt text.
+            use_chat_template: wrap each prompt in the tokenizer's chat template as a user message.
+            rewards: reward terms (registered name or import path, weight, kwargs); default ``exact_answer``.
+            accuracy_reward: the reward whose value >= 1 counts as correct for ``val/accuracy`` (default: the first).
+            reward_on_error: ``raise`` stops the run when a reward function fails; ``zero`` scores 0 instead.
+            reward_timeout_s: time limit per reward-function call (a hanging function is reported by name).
+            engine: what samples the completions: ``auto`` (= ``lean``), ``lean``, ``transformers``, ``vllm``, or
+                ``{class_path, init_args}`` of a ``grpo_lightning.engines.RolloutEngine``.
+            sampling: rollout sampling settings (group size G, lengths, temperature, top-p, top-k).
+            advantage: how rewards become advantages (baseline, std scaling).
             prompts_per_round: prompts per rank per round; the rollout has ``prompts_per_round × G`` completions.
             mini_batch_size: completions per optimizer step (default: the whole rollout, one step per pass).
             micro_batch_size: completions per forward/backward; ``mini / micro`` must equal
                 ``trainer.accumulate_grad_batches``.
-            val_batch_size: prompts per validation batch.
-            val_limit: evaluate on the first ``val_limit`` held-out prompts only.
+            num_iterations: μ, optimisation passes over each rollout (DeepSeekMath Alg. 1).
+            old_logprobs: where π_old's log-probs come from when a round has several optimizer steps:
+                ``sampler`` (the engine's, no extra pass), ``recompute`` (a forward pass over the rollout), ``auto``
+                (the engine's where they equal the trainer's: the policy's own weights in float32).
+            mask_truncated_completions: leave completions cut by ``max_new_tokens`` out of the loss (DAPO).
             dynamic_sampling: DAPO dynamic sampling: drop groups whose (outcome) rewards are all equal and draw
                 more prompts until the rollout is full of informative groups.
             max_sampling_rounds: cap on generations per round with dynamic sampling (then the rollout is topped
                 up with uninformative groups, so its size never changes).
-            seed: seed of the prompt order (one shuffle per pass over the dataset).
-            curriculum: draw prompts by their recent pass rate instead of in shuffled order, preferring those
-                neither always nor never solved (``rollout/curriculum.py``); logs ``curriculum/`` metrics.
+            curriculum: draw prompts by their recent pass rate instead of in shuffled order.
+            eval: held-out evaluation: k samples per prompt for pass@k / maj@k (greedy pass@1 always).
+            val_batch_size: prompts per validation batch.
+            val_limit: evaluate on the first ``val_limit`` held-out prompts only.
+            seed: seed of the prompt order (one shuffle per pass) and of the sampling generator (plus the rank).
         """
         super().__init__()
-        if prompts_per_round < 1:
-            raise ConfigError(f"data.prompts_per_round must be >= 1 (got {prompts_per_round})")
+        check_ranges("data", locals())
         self.source, self.subset, self.task_kwargs = dataset, subset, task_kwargs or {}
         self.train_split, self.val_dataset, self.val_split = train_split, val_dataset, val_split
-        self.prompt_column, self.prompts_per_round = prompt_column, prompts_per_round
+        self.prompt_column, self.use_chat_template = prompt_column, use_chat_template
+        # Resolved now: an unknown reward, engine or answer function is reported before any model loads.
+        self.scorer = Scorer(rewards, accuracy_reward=accuracy_reward, on_error=reward_on_error, timeout_s=reward_timeout_s)
+        self.engine = EngineHandle(engine)
+        self.sampling, self.advantage = sampling or SamplingConfig(), advantage or AdvantageConfig()
+        self.eval = eval or EvalConfig()
+        if old_logprobs == "sampler" and not self.engine.engine.shares_weights:
+            raise ConfigError(
+                f"data.old_logprobs: sampler takes π_old from the {self.engine.engine.name} engine, whose log-probs "
+                "are not the trainer's; use auto or recompute (the ratio needs the trainer's π_old)"
+            )
+        self.prompts_per_round, self.num_iterations = prompts_per_round, num_iterations
         self.mini_batch_size, self.micro_batch_size = mini_batch_size, micro_batch_size
-        self.val_batch_size, self.val_limit, self.seed = val_batch_size, val_limit, seed
-        if max_sampling_rounds < 1:
-            raise ConfigError(f"data.max_sampling_rounds must be >= 1 (got {max_sampling_rounds})")
-        check_ranges(
-            "data",
-            {
-                "mini_batch_size": mini_batch_size,
-                "micro_batch_size": micro_batch_size,
-                "val_batch_size": val_batch_size,
-                "val_limit": val_limit,
-            },
-        )
+        self.old_logprobs, self.mask_truncated_completions = old_logprobs, mask_truncated_completions
         self.dynamic_sampling, self.max_sampling_rounds = dynamic_sampling, max_sampling_rounds
+        self.val_batch_size, self.val_limit, self.seed = val_batch_size, val_limit, seed
+        self.curriculum = CurriculumSampler(curriculum, seed) if curriculum is not None else None
+        self.stream = PromptStream(prompts_per_round, seed, self.curriculum)
         self.train_data: Dataset | None = None
         self.val_data: Dataset | None = None
-        # The resumable place in the prompt stream: prompts consumed so far, over all ranks. Each rank keeps its
-        # own: with dynamic sampling a rank that refills more often advances further (it uses its own slot of
-        # each window of prompts_per_round × world prompts, so the ranks never draw the same prompt).
-        self.position = 0
-        self.last_rollout: RolloutBatch | None = None
-        self._order: tuple[int, torch.Tensor] | None = None  # (pass over the dataset, its shuffled order)
-        self.curriculum = CurriculumSampler(curriculum, seed) if curriculum is not None else None
+        self.last_rollout: RolloutBatch | None = None  # the latest round (for callbacks: tables, KL control)
+        self.generator: torch.Generator | None = None  # the sampling stream of this rank
+        self._generator_state: torch.Tensor | None = None  # restored from a checkpoint, applied at first use
+
+    # --------------------------------------------------------------------------------- the policy side
+    @property
+    def policy_side(self) -> PolicySide:
+        """The LightningModule, as far as the rollout needs it (see ``rollout/policy.py``)."""
+        return self.trainer.lightning_module
+
+    @property
+    def rollout_size(self) -> int:
+        """Completions per rank per round (fixed, also with dynamic sampling)."""
+        return self.prompts_per_round * self.sampling.group_size
+
+    @property
+    def position(self) -> int:
+        """This rank's place in the prompt stream (prompts consumed so far, over all ranks)."""
+        return self.stream.position
+
+    def encoder(self) -> PromptEncoder:
+        return PromptEncoder(self.policy_side.tokenizer, self.use_chat_template)
+
+    def next_prompts(self) -> dict[str, list[Any]]:
+        """This rank's next ``prompts_per_round`` rows of the training data."""
+        return self.stream.next_rows(self.train_data, self.trainer.global_rank, self.trainer.world_size)
+
+    def sampling_generator(self, device: torch.device) -> torch.Generator:
+        """This rank's sampling stream (seeded by ``seed`` + rank; continued from a checkpoint when resumed)."""
+        if self.generator is None or self.generator.device != device:
+            self.generator = torch.Generator(device=device).manual_seed(self.seed + self.trainer.global_rank)
+            if self._generator_state is not None:
+                self.generator.set_state(self._generator_state)
+                self._generator_state = None
+        return self.generator
 
     # ----------------------------------------------------------------------------------------------- data
-    def _prepare(self, data: Dataset, where: str) -> Dataset:
-        if len(data) == 0:
-            raise ConfigError(f"{where} is empty: it needs at least one row")
-        if self.prompt_column not in data.column_names:
-            raise ConfigError(
-                f"{where} has no prompt column {self.prompt_column!r} (columns: {', '.join(data.column_names)}); "
-                "set data.prompt_column"
-            )
-        if self.prompt_column != "prompt":
-            if "prompt" in data.column_names:
-                data = data.remove_columns("prompt")
-            data = data.rename_column(self.prompt_column, "prompt")
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        if module is not None:
-            check_required_columns(module.reward_specs, data.column_names, where)
-        return data
-
     def setup(self, stage: str) -> None:
         """Load and check the prompts (before any model is built): columns, prompts, lengths, batch sizes."""
         if stage == "fit" and self.train_data is None:
-            data = load_prompts(self.source, self.train_split, subset=self.subset, task_kwargs=self.task_kwargs)
             where = f"data.dataset ({self.source}, split {self.train_split})"
-            self.train_data = self._prepare(data, where)
+            data = load_prompts(self.source, self.train_split, subset=self.subset, task_kwargs=self.task_kwargs)
+            self.train_data = self._checked(data, where)
             self._check_batch_sizes()
-            self._check_prompts(self.train_data, where)
         if self.val_split is not None and self.val_data is None:
             source = self.val_dataset or self.source
             setting = "data.val_dataset" if self.val_dataset else "data.dataset"
-            data = load_prompts(
-                source, self.val_split, subset=self.subset, task_kwargs=self.task_kwargs, setting=setting
-            )
+            data = load_prompts(source, self.val_split, subset=self.subset, task_kwargs=self.task_kwargs, setting=setting)
             if self.val_limit is not None:
                 data = data.select(range(min(self.val_limit, len(data))))
-            where = f"validation data ({source}, split {self.val_split})"
-            self.val_data = self._prepare(data, where)
-            self._check_prompts(self.val_data, where)
+            self.val_data = self._checked(data, f"validation data ({source}, split {self.val_split})")
 
-    def _check_prompts(self, data: Dataset, where: str) -> None:
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        if module is not None:
-            check_prompts(module, data, where)  # non-empty, and prompt + completion within the model's context
+    def _checked(self, data: Dataset, where: str) -> Dataset:
+        data = rename_prompt_column(data, self.prompt_column, where)
+        self.scorer.check_columns(data.column_names, where)
+        module = self.policy_side
+        check_prompts(
+            data,
+            where,
+            token_lengths=lambda prompts: [len(ids) for ids in self.encoder().token_ids(prompts)],
+            context_length=module.context_length(),
+            max_new_tokens=self.sampling.max_new_tokens,
+        )
+        return data
 
     def _check_batch_sizes(self) -> None:
-        rollout = self.prompts_per_round * self.trainer.lightning_module.sampling.group_size
-        mini = self.mini_batch_size or rollout
+        rollout, mini = self.rollout_size, self.mini_batch_size or self.rollout_size
         micro = self.micro_batch_size or mini
         if rollout % mini:
             raise ConfigError(
@@ -202,57 +218,77 @@ class RolloutDataModule(LightningDataModule):
                 f"trainer.accumulate_grad_batches = {accumulate}: set them to agree"
             )
 
-    def next_prompts(self) -> dict[str, list[Any]]:
-        """This rank's next ``prompts_per_round`` rows; the stream position advances for all ranks at once."""
-        world, rank = self.trainer.world_size, self.trainer.global_rank
-        start = self.position + rank * self.prompts_per_round
-        if self.curriculum is not None:  # the curriculum picks the prompts; the position still counts them
-            indices = self.curriculum.draw(len(self.train_data), self.prompts_per_round, rank=rank, world_size=world)
-        else:
-            indices = [self._stream_index(start + i) for i in range(self.prompts_per_round)]
-        self.position += self.prompts_per_round * world
-        return _collate_rows([self.train_data[i] for i in indices])
+    # ----------------------------------------------------------------------------------------- the round
+    def round_settings(self) -> RoundSettings:
+        """This round's settings; ``optimizer_steps`` = μ × mini-batches per pass."""
+        module, trainer = self.policy_side, self.trainer
+        full_precision = str(trainer.precision) in ("32-true", "32", "64-true")
+        mini = self.mini_batch_size or self.rollout_size
+        return RoundSettings(
+            sampling=self.sampling,
+            advantage=self.advantage,
+            optimizer_steps=self.num_iterations * (self.rollout_size // mini),
+            old_logprobs=self.old_logprobs,
+            engine_logprobs_exact=full_precision and self.engine.get(module).logprobs_match_policy(module.policy),
+            mask_truncated_completions=self.mask_truncated_completions,
+            dynamic_sampling=self.dynamic_sampling,
+            max_sampling_rounds=self.max_sampling_rounds,
+            reference=module.has_reference,
+        )
 
-    def _stream_index(self, position: int) -> int:
-        # The stream walks the dataset in a fresh seeded shuffle per pass, so it is a pure function of position.
-        size = len(self.train_data)
-        epoch = position // size
-        if self._order is None or self._order[0] != epoch:
-            generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-            self._order = (epoch, torch.randperm(size, generator=generator))
-        return int(self._order[1][position % size])
+    def collect_round(self) -> list[dict[str, Any]]:
+        """Run this round (``run_round``) and cut it into the micro-batches of μ passes."""
+        module, trainer = self.policy_side, self.trainer
+        engine = self.engine.get(module)
+        if not engine.is_current(module.global_step):
+            raise RuntimeError(
+                f"the {engine.name} engine holds the weights of step {engine.weights_version}, the policy is at "
+                f"step {module.global_step}: add the callback grpo_lightning.callbacks.OldPolicySync (the CLI adds "
+                "it), which gives the engine the policy's weights at every round start"
+            )
+        gather = module.all_gather if trainer.world_size > 1 else None
+        with module.rollout_context():
+            rollout = run_round(
+                self.next_prompts,
+                engine=engine,
+                encoder=self.encoder(),
+                scorer=self.scorer,
+                logprobs=module.rollout_logprobs,
+                settings=self.round_settings(),
+                generator=self.sampling_generator(module.device),
+                device=module.device,
+                all_gather=gather,
+            )
+        if self.curriculum is not None:  # feed the round's pass rates back; adds curriculum/ metrics
+            self.curriculum.observe(
+                rollout,
+                lambda i: self.train_data[i]["prompt"],
+                self.sampling.group_size,
+                self.scorer.accuracy_reward,
+                all_gather=gather,
+            )
+        self.last_rollout = rollout
+        mini = self.mini_batch_size or self.rollout_size
+        batches = rollout.micro_batches(
+            micro_batch_size=self.micro_batch_size or mini,
+            mini_batch_size=mini,
+            num_iterations=self.num_iterations,
+            generator=torch.Generator().manual_seed(self.seed + self.position),
+            sum_across_ranks=(lambda t: gather(t).sum(0)) if gather is not None else None,
+        )
+        batches[0]["rollout_metrics"] = rollout.metrics  # logged once per round by the module
+        return batches
 
     # ----------------------------------------------------------------------------------------- loaders
     def train_dataloader(self) -> DataLoader:
-        module = self.trainer.lightning_module
-        sum_across_ranks = None
-        if self.trainer.world_size > 1:
-            sum_across_ranks = lambda t: module.all_gather(t).sum(0)  # noqa: E731
-        rollout_size = self.prompts_per_round * module.sampling.group_size  # dynamic sampling keeps it fixed
-        mini = self.mini_batch_size or rollout_size
-        # The Trainer's precision as in training_step; FSDP2: the policy's weights gathered once for the round.
-        with rollout_context(module):
-            self.last_rollout = collect_rollout(
-                module,
-                self.next_prompts,
-                optimizer_steps=module.objective.num_iterations * (rollout_size // mini),
-                dynamic_sampling=self.dynamic_sampling,
-                max_sampling_rounds=self.max_sampling_rounds,
-                all_gather=module.all_gather,
-            )
-        if self.curriculum is not None:  # feed the round's pass rates back; adds curriculum/ metrics to the rollout
-            self.curriculum.observe(self.last_rollout, lambda i: self.train_data[i]["prompt"], module)
-        batches = self.last_rollout.micro_batches(
-            micro_batch_size=self.micro_batch_size or mini,
-            mini_batch_size=mini,
-            num_iterations=module.objective.num_iterations,
-            generator=torch.Generator().manual_seed(self.seed + self.position),
-            sum_across_ranks=sum_across_ranks,
-        )
+        mini = self.mini_batch_size or self.rollout_size
+        count = self.num_iterations * (self.rollout_size // mini) * (mini // (self.micro_batch_size or mini))
         # The batches are ready-made: no sampler, no worker processes, nothing for Lightning to re-split. A
         # generator of its own: creating an iterator draws a seed, and from the global RNG that draw would differ
         # between a resumed run and an uninterrupted one (Lightning creates one iterator fewer on resume).
-        return DataLoader(batches, batch_size=None, shuffle=False, generator=torch.Generator())
+        return DataLoader(
+            LazyRound(self.collect_round, count), batch_size=None, shuffle=False, generator=torch.Generator()
+        )
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_split is None:
@@ -265,27 +301,18 @@ class RolloutDataModule(LightningDataModule):
     def _eval_loader(self) -> DataLoader:
         if self.val_data is None:
             raise ConfigError("no held-out data: set data.val_split (and data.val_dataset for local files)")
-        data = self.val_data
-        if self.trainer is not None and self.trainer.world_size > 1:
-            data = data.shard(num_shards=self.trainer.world_size, index=self.trainer.global_rank, contiguous=True)
-        return DataLoader(data, batch_size=self.val_batch_size, shuffle=False, collate_fn=_collate_rows)
+        return held_out_loader(self, self.val_data, self.val_batch_size)
 
     # ------------------------------------------------------------------------------------- checkpoints
-    def _positions_of_all_ranks(self) -> list[int]:
-        """Every rank's stream position (a collective under data parallelism: called on every rank, as Lightning
-        calls ``state_dict`` when it saves a checkpoint)."""
-        if self.trainer is None or self.trainer.world_size == 1:
-            return [self.position]
-        strategy = self.trainer.strategy
-        gathered = strategy.all_gather(torch.tensor(self.position, device=strategy.root_device))
-        return [int(p) for p in gathered.flatten().tolist()]
-
     def state_dict(self) -> dict[str, Any]:
-        """The place in the prompt stream of every rank; the order is a function of the seed and the position."""
-        positions = self._positions_of_all_ranks()
+        """Every rank's place in the prompt stream and sampling stream (a collective under data parallelism:
+        Lightning calls it on every rank when it saves a checkpoint)."""
+        generator = self.generator.get_state() if self.generator is not None else self._generator_state
+        ranks = gather_per_rank(self.trainer, {"position": self.position, "sampling_generator": generator})
         state = {
-            "position": positions[0],  # rank 0's, as checkpoints without ``positions`` have it
-            "positions": positions,
+            "position": ranks[0]["position"],  # rank 0's, as checkpoints without ``positions`` have it
+            "positions": [r["position"] for r in ranks],
+            "sampling_generators": [r["sampling_generator"] for r in ranks],
             "seed": self.seed,
             "dataset": self.source,
             "prompts_per_round": self.prompts_per_round,
@@ -295,38 +322,66 @@ class RolloutDataModule(LightningDataModule):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue the prompt stream where the checkpoint left it (the data settings should be the same)."""
-        positions = state_dict.get("positions") or [state_dict.get("position")]
-        if not all(isinstance(p, int) and p >= 0 for p in positions):
-            raise ConfigError(f"the checkpoint's prompt stream position is {positions!r}, not a count of prompts")
+        """Continue the prompt and sampling streams where the checkpoint left them."""
         world = self.trainer.world_size if self.trainer is not None else 1
         rank = self.trainer.global_rank if self.trainer is not None else 0
-        if len(positions) == world:
-            position = positions[rank]
-        else:
-            # Another number of processes: continue after the furthest rank, so no prompt is drawn twice.
-            position = max(positions)
-            if "positions" in state_dict:
-                log.warning(
-                    "the checkpoint's prompt stream was drawn by %d processes, this run has %d: continuing at %d",
-                    len(positions),
-                    world,
-                    position,
-                )
-        self.position = position
+        self.stream.restore(state_dict.get("positions") or [state_dict.get("position")], rank, world)
+        generators = state_dict.get("sampling_generators") or []
+        self._generator_state = generators[rank] if len(generators) == world else None
+        self.generator = None
         changed = [
             f"data.{key}={state_dict[key]!r}"
-            for key, value in (
-                ("seed", self.seed),
-                ("dataset", self.source),
-                ("prompts_per_round", self.prompts_per_round),
-            )
+            for key, value in (("seed", self.seed), ("dataset", self.source), ("prompts_per_round", self.prompts_per_round))
             if key in state_dict and state_dict[key] != value
         ]
         if changed:
             # Allowed (a new dataset or seed can be intended), but the run then differs from an uninterrupted one.
             log.warning(
-                "resuming a prompt stream made with %s; it continues at position %d", ", ".join(changed), position
+                "resuming a prompt stream made with %s; it continues at position %d", ", ".join(changed), self.position
             )
         if self.curriculum is not None and "curriculum" in state_dict:
             self.curriculum.load_state_dict(state_dict["curriculum"])
+
+
+class LazyRound(torch.utils.data.Dataset):
+    """The micro-batches of one round, generated when the first one is fetched (see the module docstring)."""
+
+    def __init__(self, collect: Callable[[], list[dict[str, Any]]], length: int) -> None:
+        self.collect, self.length = collect, length
+        self.batches: list[dict[str, Any]] | None = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if self.batches is None:
+            self.batches = self.collect()
+            if len(self.batches) != self.length:  # the settings fix the count; a mismatch is a bug
+                raise RuntimeError(f"the round made {len(self.batches)} micro-batches, {self.length} were planned")
+        return self.batches[index]
+
+
+def held_out_loader(datamodule: Any, data: Dataset, batch_size: int) -> DataLoader:
+    """The held-out prompts of this rank, generated and scored batch by batch (``HeldOutSampler``).
+
+    ``datamodule`` provides ``trainer``, ``policy_side``, ``engine``, ``encoder``, ``scorer``, ``sampling``,
+    ``eval`` and ``seed`` (``RolloutDataModule`` and ``SFTDataModule`` do).
+    """
+    trainer = datamodule.trainer
+    rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+    # Contiguous shards, sized as ``datasets.Dataset.shard(contiguous=True)`` sizes them.
+    size, extra = divmod(len(data), world)
+    start = size * rank + min(rank, extra)
+    indices = range(start, start + size + (rank < extra))
+    sampler = HeldOutSampler(
+        module=lambda: datamodule.policy_side,
+        engine=datamodule.engine,
+        encoder=datamodule.encoder,
+        scorer=datamodule.scorer,
+        sampling=datamodule.sampling,
+        config=datamodule.eval,
+        seed=datamodule.seed,
+        rank=rank,
+    )
+    rows = [(i, data[i]) for i in indices]
+    return DataLoader(rows, batch_size=batch_size, shuffle=False, collate_fn=sampler)

@@ -1,115 +1,115 @@
-"""One rollout round, in the order of the algorithm: generate → score → (filter) → advantages → log-probs."""
+"""One rollout round, top to bottom: generate → score → filter → advantages → old/ref log-probs → micro-batches.
+
+``run_round`` owns no model. It is given the engine that samples, the encoder and scorer of the prompts and
+completions, and ``logprobs``, the function that computes π_old's and π_ref's log-probs of the rollout (the
+LightningModule's ``rollout_logprobs``). The DataModule calls it at every epoch start; one round = one epoch.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
 
+from grpo_lightning.config import AdvantageConfig, SamplingConfig
+from grpo_lightning.engines.base import RolloutEngine
 from grpo_lightning.loss import group_advantages, process_advantages
+from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.batch import RolloutBatch
-
-if TYPE_CHECKING:
-    from grpo_lightning.module import GRPOModule
-
-
-def repeat_each(values: list[Any], times: int) -> list[Any]:
-    """``[a, b]`` → ``[a, a, b, b]`` for ``times=2``: one entry per completion, groups adjacent."""
-    return [value for value in values for _ in range(times)]
+from grpo_lightning.rollout.prompts import PromptEncoder
+from grpo_lightning.rollout.sampling import sample_and_score
 
 
-def collect_rollout(
-    module: GRPOModule,
+class LogprobFn(Protocol):
+    """``(old, ref)`` log-probs ``[N, T]`` of a rollout's completion tokens (None where not asked for)."""
+
+    def __call__(self, batch: RolloutBatch, *, old: bool, ref: bool) -> tuple[Tensor | None, Tensor | None]: ...
+
+
+@dataclass
+class RoundSettings:
+    """The algorithm's settings for a round (all from ``data``)."""
+
+    sampling: SamplingConfig
+    advantage: AdvantageConfig
+    optimizer_steps: int
+    """How many optimizer steps the round takes (μ × mini-batches per pass): with more than one, every step
+    after the first trains off-policy, so π_old's log-probs are recorded."""
+    old_logprobs: Literal["auto", "sampler", "recompute"] = "auto"
+    engine_logprobs_exact: bool = True
+    """Whether the engine's sampled-token log-probs equal the trainer's (``auto`` then takes them as π_old)."""
+    mask_truncated_completions: bool = False
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4
+    reference: bool = True
+    """Whether there is a reference model (β > 0): π_ref's log-probs for the KL term."""
+
+
+def run_round(
     next_rows: Callable[[], dict[str, list[Any]]],
     *,
-    optimizer_steps: int,
-    dynamic_sampling: bool = False,
-    max_sampling_rounds: int = 4,
+    engine: RolloutEngine,
+    encoder: PromptEncoder,
+    scorer: Scorer,
+    logprobs: LogprobFn,
+    settings: RoundSettings,
+    generator: torch.Generator,
+    device: torch.device | str = "cpu",
     all_gather: Callable[[Tensor], Tensor] | None = None,
 ) -> RolloutBatch:
     """Sample G completions for each prompt of ``next_rows()``, score them and compute what the loss needs.
 
-    ``optimizer_steps`` is how many optimizer steps the round will take (μ × mini-batches per pass): with more
-    than one, π_old's log-probs are recorded, since every step after the first trains off-policy.
-
     ``next_rows`` returns the next prompts (a dict of columns: ``prompt`` and the dataset's other columns).
     With ``dynamic_sampling`` (DAPO), groups whose rewards are all equal are dropped and more prompts are drawn,
-    up to ``max_sampling_rounds`` generations, until the rollout has as many informative groups as one draw;
-    if the cap is reached the rollout is topped up with uninformative groups (zero advantage), so every rank
-    always trains on the same number of rows. ``all_gather`` collects every rank's rewards for ``scale="batch"``.
+    up to ``max_sampling_rounds`` generations, until the rollout has as many informative groups as one draw; if
+    the cap is reached the rollout is topped up with uninformative groups (zero advantage), so every rank always
+    trains on the same number of rows. ``all_gather`` collects every rank's rewards for ``scale: batch``.
     """
-    objective, group_size = module.objective, module.sampling.group_size
-    timings = {"generate": 0.0, "score": 0.0}
-    record_old = optimizer_steps > 1
-    batch = sample_and_score(module, next_rows(), timings, record_old=record_old)  # 1. generate (π_old), 2. score
-    generated = len(batch)
-    if dynamic_sampling:
-        batch, generated, rounds = refill_informative(
-            module,
-            batch,
-            next_rows,
-            timings,
-            group_size=group_size,
-            max_rounds=max_sampling_rounds,
-            record_old=record_old,
+    timings: dict[str, float] = {}
+    record_old = settings.optimizer_steps > 1  # after the first step, the policy is no longer the one that sampled
+    engine_old = record_old and (
+        settings.old_logprobs == "sampler" or (settings.old_logprobs == "auto" and settings.engine_logprobs_exact)
+    )
+
+    def sample() -> RolloutBatch:
+        return sample_and_score(
+            next_rows(),
+            engine=engine,
+            encoder=encoder,
+            scorer=scorer,
+            params=settings.sampling.params(),
+            generator=generator,
+            return_logprobs=engine_old,
+            device=device,
+            timings=timings,
         )
-    batch.advantages = compute_advantages(batch, module, all_gather)  # 3. group-relative advantages
+
+    batch = sample()  # 1. generate (π_old) and 2. score
+    generated, rounds = len(batch), 1
+    if settings.dynamic_sampling:  # 3. filter: DAPO dynamic sampling
+        batch, generated, rounds = refill_informative(batch, sample, settings.sampling.group_size,
+                                                      settings.max_sampling_rounds, encoder.tokenizer.pad_token_id)
+    batch.advantages = compute_advantages(batch, settings, all_gather)  # 4. group-relative advantages
     batch.loss_mask = batch.completion_mask.clone()
-    if objective.mask_truncated_completions:
+    if settings.mask_truncated_completions:
         batch.loss_mask[batch.truncated] = 0  # DAPO overlong filtering: truncated completions teach nothing
 
-    start = time.perf_counter()
-    # 4. log-probs: π_old if the round has several optimizer steps, π_ref if β > 0
-    batch.old_logprobs, batch.ref_logprobs = module.rollout_logprobs(batch, record_old=record_old)
+    start = time.perf_counter()  # 5. π_old (unless the engine's are kept) and π_ref, without gradients
+    old, ref = logprobs(batch, old=record_old and not engine_old, ref=settings.reference)
+    batch.old_logprobs = (old if old is not None else batch.old_logprobs) if record_old else None
+    batch.ref_logprobs = ref
     timings["logprobs"] = time.perf_counter() - start
 
-    batch.metrics = rollout_metrics(batch, group_size, timings)
-    if dynamic_sampling:
+    batch.metrics = rollout_metrics(batch, settings.sampling.group_size, timings)
+    if settings.dynamic_sampling:
+        group_size = settings.sampling.group_size
         batch.metrics["rollout/sampling_rounds"] = float(rounds)
         batch.metrics["rollout/filtered_fraction"] = 1.0 - informative_groups(batch, group_size).float().mean().item()
         batch.metrics["rollout/generated_completions"] = float(generated)
-    return batch
-
-
-def sample_and_score(
-    module: GRPOModule, rows: dict[str, list[Any]], timings: dict[str, float], *, record_old: bool = False
-) -> RolloutBatch:
-    """Generate G completions per prompt and score them with every reward function.
-
-    ``record_old``: the round needs π_old's log-probs (kept from the sampler when ``old_logprobs`` allows).
-    """
-    group_size = module.sampling.group_size
-    start = time.perf_counter()
-    sampler_logprobs = module.old_logprobs_from_sampler(record_old)
-    completions = module.generate(rows["prompt"], return_logprobs=sampler_logprobs)
-    texts = module.decode(completions.completion_ids, completions.completion_mask)
-    timings["generate"] += time.perf_counter() - start
-
-    start = time.perf_counter()
-    prompts = repeat_each(rows["prompt"], group_size)
-    columns = {name: repeat_each(values, group_size) for name, values in rows.items() if name != "prompt"}
-    columns["completion_lengths"] = completions.completion_mask.sum(-1).tolist()  # in tokens, for length shaping
-    total, per_function = module.score(prompts, texts, columns)
-    steps = module.score_steps(prompts, texts, columns, completions.completion_ids, completions.completion_mask)
-    timings["score"] += time.perf_counter() - start
-
-    batch = RolloutBatch(
-        prompt_ids=completions.prompt_ids,
-        prompt_mask=completions.prompt_mask,
-        completion_ids=completions.completion_ids,
-        completion_mask=completions.completion_mask,
-        truncated=completions.truncated,
-        rewards=torch.tensor(total, dtype=torch.float32, device=completions.completion_ids.device),
-        prompts=prompts,
-        completions=texts,
-        reward_columns=per_function,
-        old_logprobs=completions.logprobs,  # π_old from the sampler itself, or None: computed later if needed
-    )
-    if steps is not None:  # process rewards: one value per step, kept apart from the outcome total
-        batch.step_rewards, batch.step_ends = steps
     return batch
 
 
@@ -120,60 +120,49 @@ def informative_groups(batch: RolloutBatch, group_size: int) -> Tensor:
 
 
 def refill_informative(
-    module: GRPOModule,
-    batch: RolloutBatch,
-    next_rows: Callable[[], dict[str, list[Any]]],
-    timings: dict[str, float],
-    *,
-    group_size: int,
-    max_rounds: int,
-    record_old: bool,
+    batch: RolloutBatch, sample: Callable[[], RolloutBatch], group_size: int, max_rounds: int, pad_token_id: int
 ) -> tuple[RolloutBatch, int, int]:
-    """DAPO dynamic sampling: keep informative groups, draw more prompts until there are enough of them."""
+    """DAPO dynamic sampling: keep informative groups, ``sample()`` more until there are enough of them.
+
+    Returns the rollout (informative groups first, topped up with uninformative ones to keep its size), the
+    completions generated and the generations it took.
+    """
     wanted = len(batch) // group_size
-    pad_token_id = module.tokenizer.pad_token_id
     kept, spare, generated, rounds = [], [], len(batch), 1
     while True:
-        informative = informative_groups(batch, group_size)
-        for group, useful in enumerate(informative.tolist()):
+        for group, useful in enumerate(informative_groups(batch, group_size).tolist()):
             rows = torch.arange(group * group_size, (group + 1) * group_size)
             (kept if useful else spare).append(batch.select(rows))
         if len(kept) >= wanted or rounds >= max_rounds:
             break
-        batch = sample_and_score(module, next_rows(), timings, record_old=record_old)
+        batch = sample()
         generated += len(batch)
         rounds += 1
-    groups = (kept + spare)[:wanted]  # informative first; uninformative only to keep the size fixed
-    return RolloutBatch.concat(groups, pad_token_id), generated, rounds
+    return RolloutBatch.concat((kept + spare)[:wanted], pad_token_id), generated, rounds
 
 
 def compute_advantages(
-    batch: RolloutBatch, module: GRPOModule, all_gather: Callable[[Tensor], Tensor] | None
+    batch: RolloutBatch, settings: RoundSettings, all_gather: Callable[[Tensor], Tensor] | None = None
 ) -> Tensor:
     """Outcome advantages ``[N]``; per-token ``[N, T]`` when a reward scores steps (outcome part added to each)."""
-    objective, group_size = module.objective, module.sampling.group_size
+    config, group_size = settings.advantage, settings.sampling.group_size
     advantages = None
     if batch.reward_columns:  # outcome rewards
         batch_std = None
-        if objective.advantage_scale == "batch" and all_gather is not None:
-            batch_std = all_gather(batch.rewards).float().flatten().std(unbiased=objective.advantage_std == "sample")
+        if config.scale == "batch" and all_gather is not None:
+            batch_std = all_gather(batch.rewards).float().flatten().std(unbiased=config.std == "sample")
         advantages = group_advantages(
             batch.rewards,
             group_size,
-            scale=objective.advantage_scale,
-            baseline=objective.advantage_baseline,
-            eps=objective.advantage_eps,
+            scale=config.scale,
+            baseline=config.baseline,
+            eps=config.eps,
             batch_std=batch_std,
-            std=objective.advantage_std,
+            std=config.std,
         )
     if batch.step_rewards is not None:  # process rewards (DeepSeekMath §4.1.3)
         per_token = process_advantages(
-            batch.step_rewards,
-            batch.step_ends,
-            batch.completion_mask,
-            group_size,
-            eps=objective.advantage_eps,
-            std=objective.advantage_std,
+            batch.step_rewards, batch.step_ends, batch.completion_mask, group_size, eps=config.eps, std=config.std
         )
         advantages = per_token if advantages is None else per_token + advantages[:, None] * batch.completion_mask
     return advantages

@@ -276,7 +276,7 @@ def completion_logprobs(
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs ``[N, T]`` of the completion tokens (and entropies), in micro-batches of rows.
 
-    Prompts are left-padded (as ``GRPOModule.encode_prompts`` makes them): the last prompt position predicts the
+    Prompts are left-padded (as ``rollout.prompts.PromptEncoder`` makes them): the last prompt position predicts the
     first completion token.
 
     Log-probs are those of the sampling distribution (logits divided by ``temperature``). With ``chunk_size``, the

@@ -1,104 +1,24 @@
-"""Sampling completions from a causal LM, and the log-probabilities of sampled tokens.
+"""The ``lean`` engine: our own sampling loop, on the lean forward of ``grpo_lightning.models.lean``.
 
-A lean loop instead of ``generate()``: each prompt is prefilled once and its keys and values shared by the G
-samples of its group; each decoding step computes logits for the last position only; the loop stops as soon as
-every sequence has ended. Prompts are left-padded, so position ids are derived from the attention mask. The steps
-run on ``grpo_lightning.models.lean`` when the model supports it, else on the model's own forward.
+Instead of ``generate()``: each prompt is prefilled once and its keys and values shared by the G samples of its
+group (written into buffers sized for the whole completion); each decoding step computes logits for the last
+position only; the loop stops as soon as every sequence has ended. Prompts are left-padded, so position ids come
+from the attention mask. Llama, Qwen2, Qwen3 and Mistral run on the lean forward; any other causal LM (and LoRA,
+FSDP2 shards) runs the same loop on its own forward, step by step.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams, concat_completions, eval_mode
+from grpo_lightning.engines.sampling import sample_next
 from grpo_lightning.models.lean import LeanDecoder, lean_unsupported, mask_positions
-
-# Log-probs live in logprobs.py (chunked, bounded memory); imported here for the callers that expect them here.
-from grpo_lightning.rollout.logprobs import (  # noqa: F401
-    DEFAULT_LOGPROB_CHUNK,
-    completion_logprobs,
-    output_layer,
-    token_logprobs,
-)
-
-
-@dataclass
-class Completions:
-    """Sampled completions, one row per (prompt, sample); rows of the same prompt are adjacent."""
-
-    prompt_ids: Tensor  # [N, P] left-padded
-    prompt_mask: Tensor  # [N, P]
-    completion_ids: Tensor  # [N, T] right-padded with pad_token_id
-    completion_mask: Tensor  # [N, T] 1 for generated tokens up to and including EOS
-    truncated: Tensor  # [N] bool: ended by the length limit, not by EOS
-    # [N, T] log-probs of the drawn tokens under the sampling policy (temperature applied, before top-k/top-p),
-    # 0 on padding; only with ``sample_completions(..., return_logprobs=True)``: π_old without another forward.
-    logprobs: Tensor | None = None
-
-
-# ``_cumsum_unit_``'s fixed point under deterministic algorithms off the CPU: steps of 2^-40, and a sum of up to
-# 2^23 values in [0, 1] still fits in int64.
-_FIXED_POINT = float(1 << 40)
-
-
-def _cumsum_unit_(x: Tensor) -> Tensor:
-    """``x.cumsum_(-1)`` of values in [0, 1], in place.
-
-    Under ``torch.use_deterministic_algorithms`` (``trainer.deterministic``) off the CPU, where torch has no
-    deterministic cumsum of floats and raises, the values are rounded to multiples of 2^-40 and summed exactly as
-    int64 (in any order), so sampling and top-p work there too, bit for bit the same at every run.
-    """
-    if x.device.type == "cpu" or not torch.are_deterministic_algorithms_enabled():
-        return x.cumsum_(-1)
-    fixed = x.double().mul_(_FIXED_POINT).round_().long().cumsum_(-1)
-    return x.copy_(fixed.double().div_(_FIXED_POINT))
-
-
-def filter_logits(logits: Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """Temperature, then top-k, then top-p (nucleus) filtering; removed tokens get -inf."""
-    if temperature != 1.0:  # a full pass over [B, V] saved in the common case
-        logits = logits / temperature
-    if 0 < top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the tokens ranked above it already hold top_p of the mass; the first always stays.
-        drop_sorted = _cumsum_unit_(probs.clone()) - probs >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def sample_next(
-    logits: Tensor,
-    *,
-    greedy: bool = False,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    """One token per row from ``logits`` ``[B, V]``: the argmax when ``greedy``, else a draw from the filtered softmax.
-
-    The draw inverts the cumulative distribution with one uniform number per row, which is exact and several times
-    cheaper than ``torch.multinomial`` (that draws an exponential variate for every vocabulary entry).
-    """
-    if greedy:
-        return logits.argmax(-1)
-    logits = filter_logits(logits.float(), temperature=temperature, top_k=top_k, top_p=top_p)
-    # Unnormalised probabilities: comparing against u × total mass is the same as normalising first. Filtered
-    # tokens have zero mass, so the cumulative sum is flat there and they are never the first index reaching u.
-    cdf = _cumsum_unit_((logits - logits.amax(-1, keepdim=True)).exp_())
-    uniform = torch.rand(cdf.size(0), 1, device=cdf.device, generator=generator)
-    threshold = (1.0 - uniform) * cdf[:, -1:]  # in (0, total]: never selects a token of zero mass at index 0
-    return (cdf < threshold).sum(-1).clamp_(max=cdf.size(-1) - 1)
 
 
 class _PreallocatedLayer(DynamicLayer):
@@ -257,26 +177,59 @@ def sample_completions(
     )
 
 
-def concat_completions(chunks: list[Completions], pad_token_id: int) -> Completions:
-    """Join chunks of completions, padding prompts on the left and completions on the right."""
-    if len(chunks) == 1:
-        return chunks[0]
-    prompt_len = max(c.prompt_ids.size(1) for c in chunks)
-    completion_len = max(c.completion_ids.size(1) for c in chunks)
+class LeanEngine(RolloutEngine):
+    """Samples with ``sample_completions`` from the policy module itself (shares its weights).
 
-    def pad(t: Tensor, length: int, value: int, left: bool) -> Tensor:
-        extra = length - t.size(1)
-        return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra), value=value)
+    ``lean_forward: false`` runs the loop on the model's own forward even where the lean forward applies.
+    """
 
-    return Completions(
-        prompt_ids=torch.cat([pad(c.prompt_ids, prompt_len, pad_token_id, True) for c in chunks]),
-        prompt_mask=torch.cat([pad(c.prompt_mask, prompt_len, 0, True) for c in chunks]),
-        completion_ids=torch.cat([pad(c.completion_ids, completion_len, pad_token_id, False) for c in chunks]),
-        completion_mask=torch.cat([pad(c.completion_mask, completion_len, 0, False) for c in chunks]),
-        truncated=torch.cat([c.truncated for c in chunks]),
-        logprobs=(
-            torch.cat([pad(c.logprobs, completion_len, 0, False) for c in chunks])
-            if all(c.logprobs is not None for c in chunks)
-            else None
-        ),
-    )
+    name = "lean"
+    shares_weights = True
+
+    def __init__(self, lean_forward: bool = True) -> None:
+        """
+        Args:
+            lean_forward: decode on ``grpo_lightning.models.lean`` where the model supports it.
+        """
+        super().__init__()
+        self.lean_forward = lean_forward
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        params: SamplingParams,
+        *,
+        generator: torch.Generator | None = None,
+        return_logprobs: bool = False,
+    ) -> Completions:
+        group_size = 1 if params.greedy else params.group_size
+        prompts_per_chunk = max(1, params.batch_size // group_size)
+        with eval_mode(self.policy):
+            chunks = [
+                sample_completions(
+                    self.policy,
+                    prompt_ids[start : start + prompts_per_chunk],
+                    prompt_mask[start : start + prompts_per_chunk],
+                    group_size=group_size,
+                    max_new_tokens=params.max_new_tokens,
+                    min_new_tokens=0 if params.greedy else params.min_new_tokens,
+                    eos_token_id=self.eos_token_id,
+                    pad_token_id=self.pad_token_id,
+                    temperature=params.temperature,
+                    top_k=params.top_k,
+                    top_p=params.top_p,
+                    greedy=params.greedy,
+                    generator=generator,
+                    return_logprobs=return_logprobs,
+                    lean=self.lean_forward,
+                )
+                for start in range(0, prompt_ids.size(0), prompts_per_chunk)
+            ]
+        return concat_completions(chunks, self.pad_token_id)
+
+
+def supports_lean(model: nn.Module) -> bool:
+    """Whether ``model`` decodes on the lean forward (else the loop runs on the model's own forward)."""
+    return lean_unsupported(model) is None

@@ -1,0 +1,91 @@
+"""The ``transformers`` engine: the model's own ``generate()``, for any causal LM (the reference behaviour).
+
+Slower than the ``lean`` loop (every sample of a group prefills its prompt again, and the cache grows by
+concatenation), but it is exactly what ``transformers`` users know: the same logits processors, the same stopping.
+Its random draws come from the caller's generator: ``generate()`` samples from torch's global RNG, so each call
+runs under a forked RNG seeded from the generator, and the training run's global stream is left untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import GenerationConfig
+
+from grpo_lightning.engines.base import (
+    Completions,
+    RolloutEngine,
+    SamplingParams,
+    completions_from_tokens,
+    concat_completions,
+    eval_mode,
+)
+
+
+class TransformersEngine(RolloutEngine):
+    """``model.generate(do_sample=True, num_return_sequences=G, ...)`` on the policy module itself."""
+
+    name = "transformers"
+    shares_weights = True
+
+    def generation_config(self, params: SamplingParams, group_size: int) -> GenerationConfig:
+        """A fresh config (not the model's ``generation_config``, whose defaults such as ``top_k=50`` or a
+        repetition penalty would change the distribution the loss assumes)."""
+        sampling = {} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p}
+        return GenerationConfig(
+            do_sample=not params.greedy,
+            top_k=0 if params.greedy else params.top_k,
+            max_new_tokens=params.max_new_tokens,
+            min_new_tokens=0 if params.greedy else params.min_new_tokens,
+            num_return_sequences=group_size,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **sampling,
+        )
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        params: SamplingParams,
+        *,
+        generator: torch.Generator | None = None,
+        return_logprobs: bool = False,
+    ) -> Completions:
+        group_size = 1 if params.greedy else params.group_size
+        config = self.generation_config(params, group_size)
+        prompts_per_chunk = max(1, params.batch_size // group_size)
+        device = prompt_ids.device
+        chunks = []
+        for start in range(0, prompt_ids.size(0), prompts_per_chunk):
+            ids, mask = prompt_ids[start : start + prompts_per_chunk], prompt_mask[start : start + prompts_per_chunk]
+            seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device)) if generator else 0
+            devices = [device] if device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices), eval_mode(self.policy):
+                torch.manual_seed(seed)
+                out = self.policy.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+            tokens = out.sequences[:, ids.size(1) :]
+            logprobs = None
+            if return_logprobs:
+                # ``logits`` are the raw scores of each step, before processors: the tempered log-softmax is what
+                # the training forward computes (top-k/top-p and the min-length EOS ban are sampling rules only).
+                scores = torch.stack(out.logits, dim=1).float()
+                if params.temperature != 1.0 and not params.greedy:
+                    scores = scores / params.temperature
+                logprobs = scores.log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
+            chunks.append(
+                completions_from_tokens(
+                    ids,
+                    mask,
+                    tokens,
+                    group_size=group_size,
+                    eos_token_id=self.eos_token_id,
+                    pad_token_id=self.pad_token_id,
+                    max_new_tokens=params.max_new_tokens,
+                    logprobs=logprobs,
+                )
+            )
+        return concat_completions(chunks, self.pad_token_id)

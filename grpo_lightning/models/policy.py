@@ -1,0 +1,97 @@
+"""The trained model as both LightningModules build it: policy (and reference), and the context it samples in.
+
+``build_policy`` composes ``models/build.py``'s loading with what a run's settings ask for, in the order that
+matters: dropout off, the reference copied from the untouched policy, activation checkpointing, LoRA, then FSDP2
+sharding of both. ``GRPOModule`` and ``SFTModule`` call it from ``configure_model``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from grpo_lightning.config import ConfigError
+from grpo_lightning.lora import LoraConfig, apply_lora
+from grpo_lightning.models.build import disable_dropout, enable_activation_checkpointing, load_model
+from grpo_lightning.models.tiny import TinyModelConfig
+from grpo_lightning.strategies import broadcast_module, gathered, shard_model
+from grpo_lightning.validation import config_context_length
+
+
+def build_policy(
+    name: str | None,
+    tiny_model: TinyModelConfig,
+    tokenizer: Any,
+    *,
+    trainer: Any = None,
+    mesh: Any = None,
+    reference: bool = False,
+    no_dropout: bool = True,
+    gradient_checkpointing: bool = False,
+    lora: LoraConfig | None = None,
+) -> tuple[PreTrainedModel, PreTrainedModel | None]:
+    """``(policy, reference)``: the model to train, in train mode, and a frozen copy of it when ``reference``.
+
+    With LoRA no copy is made (the reference is the policy with its adapter disabled). Under
+    ``ModelParallelStrategy`` (``mesh`` set) both are sharded with FSDP2: each decoder layer, then the root.
+    """
+    zero3 = bool(getattr(trainer.strategy, "zero_stage_3", False)) if trainer is not None else False
+    policy = load_model(name, tiny_model, tokenizer)
+    if no_dropout:
+        disable_dropout(policy)  # before the reference is copied from it: both without dropout
+    if mesh is not None and name is None:
+        broadcast_module(policy)  # random weights: every rank must shard the same model
+    ref = None
+    if reference and lora is None:
+        # Under ZeRO-3 the weights are partitioned as they are created, and a partitioned model cannot be
+        # deep-copied: the reference is loaded a second time instead.
+        if zero3 and name is None:
+            raise ConfigError("DeepSpeed ZeRO-3 with model.objective.beta > 0 needs model.model_name_or_path")
+        ref = load_model(name, tiny_model, tokenizer) if zero3 else copy.deepcopy(policy)
+        if no_dropout:
+            disable_dropout(ref)  # loaded a second time under ZeRO-3 (a copy already has none)
+        ref.eval().requires_grad_(False)
+    if gradient_checkpointing:
+        enable_activation_checkpointing(policy)
+    if lora is not None:
+        policy = apply_lora(policy, lora)
+        if mesh is not None:
+            broadcast_module(policy, trainable_only=True)  # adapters start random on every rank
+    policy.train()  # from_pretrained returns eval mode; the update runs in train mode
+    if mesh is not None:
+        mp_policy = None
+        if trainer is not None and trainer.precision == "bf16-mixed":
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            # Compute (and all-gather) in bf16 as autocast would, reduce gradients in float32.
+            mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        shard_model(policy, mesh, mp_policy=mp_policy)
+        if ref is not None:
+            shard_model(ref, mesh, mp_policy=mp_policy)
+    return policy, ref
+
+
+@contextlib.contextmanager
+def sampling_context(trainer: Any, policy: torch.nn.Module | None) -> Iterator[None]:
+    """What generation (and rollout log-prob passes) run in: the Trainer's precision (autocast under
+    ``bf16-mixed``, as in ``training_step``) and the policy's full weights, gathered once (FSDP2, ZeRO-3)."""
+    precision = trainer.precision_plugin.forward_context() if trainer is not None else contextlib.nullcontext()
+    with precision, gathered(policy):
+        yield
+
+
+def context_length(name: str | None, tiny_model: TinyModelConfig) -> int | None:
+    """The longest sequence (prompt + completion) the model supports, from its config; None when unknown."""
+    if name is None:
+        return tiny_model.max_position_embeddings
+    from transformers import AutoConfig
+
+    try:
+        return config_context_length(AutoConfig.from_pretrained(name))
+    except Exception:  # unreadable here; loading the model reports the problem in its own words
+        return None

@@ -1,0 +1,81 @@
+"""Sample and score: prompts in, scored completions out. The one piece every generating path shares.
+
+The training round, held-out evaluation (greedy pass@1 and k samples for pass@k / maj@k) and rejection sampling
+all call ``sample_and_score``: encode the prompts, have the engine sample, decode, score with every reward.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from grpo_lightning.engines.base import RolloutEngine, SamplingParams
+from grpo_lightning.rewards.scorer import Scorer
+from grpo_lightning.rollout.batch import RolloutBatch
+from grpo_lightning.rollout.prompts import PromptEncoder
+from grpo_lightning.rollout.steps import step_token_ends
+
+
+def repeat_each(values: list[Any], times: int) -> list[Any]:
+    """``[a, b]`` → ``[a, a, b, b]`` for ``times=2``: one entry per completion, groups adjacent."""
+    return [value for value in values for _ in range(times)]
+
+
+def sample_and_score(
+    rows: dict[str, list[Any]],
+    *,
+    engine: RolloutEngine,
+    encoder: PromptEncoder,
+    scorer: Scorer,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    return_logprobs: bool = False,
+    device: torch.device | str = "cpu",
+    timings: dict[str, float] | None = None,
+) -> RolloutBatch:
+    """``params.group_size`` completions (one when greedy) for each prompt of ``rows``, decoded and scored.
+
+    ``rows`` holds the ``prompt`` column and the dataset's other columns (passed on to the reward functions).
+    ``return_logprobs`` keeps the engine's log-probs of the sampled tokens in ``RolloutBatch.old_logprobs``.
+    ``timings``, when given, accumulates the seconds spent in ``generate`` and ``score``.
+    """
+    group_size = 1 if params.greedy else params.group_size
+    start = time.perf_counter()
+    prompt_ids, prompt_mask = encoder.encode(rows["prompt"], device)
+    completions = engine.generate(prompt_ids, prompt_mask, params, generator=generator, return_logprobs=return_logprobs)
+    texts = encoder.decode(completions.completion_ids, completions.completion_mask)
+    generated = time.perf_counter()
+
+    prompts = repeat_each(rows["prompt"], group_size)
+    columns = {name: repeat_each(values, group_size) for name, values in rows.items() if name != "prompt"}
+    columns["completion_lengths"] = completions.completion_mask.sum(-1).tolist()  # in tokens, for length shaping
+    scores = scorer(prompts, texts, columns)
+    batch = RolloutBatch(
+        prompt_ids=completions.prompt_ids,
+        prompt_mask=completions.prompt_mask,
+        completion_ids=completions.completion_ids,
+        completion_mask=completions.completion_mask,
+        truncated=completions.truncated,
+        rewards=torch.tensor(scores.total, dtype=torch.float32, device=completions.completion_ids.device),
+        prompts=prompts,
+        completions=texts,
+        reward_columns=scores.per_function,
+        old_logprobs=completions.logprobs,
+        correct=scores.correct,
+        temperature=params.temperature,
+        max_new_tokens=params.max_new_tokens,
+    )
+    if scores.steps is not None:  # process rewards: one value per step, and where each step ends in tokens
+        ends = step_token_ends(
+            texts, completions.completion_ids, completions.completion_mask, encoder.tokenizer, scorer.step_separator
+        )
+        step_rewards = torch.full(ends.shape, float("nan"))
+        for row, values in enumerate(scores.steps):
+            step_rewards[row, : len(values)] = torch.tensor(values)
+        batch.step_rewards, batch.step_ends = step_rewards.to(batch.rewards.device), ends.to(batch.rewards.device)
+    if timings is not None:
+        timings["generate"] = timings.get("generate", 0.0) + generated - start
+        timings["score"] = timings.get("score", 0.0) + time.perf_counter() - generated
+    return batch
