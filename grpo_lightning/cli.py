@@ -79,8 +79,10 @@ class GRPOCLI(LightningCLI):
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         # Records the full resolved config with the run (W&B config and files), not only the module's settings.
         kwargs.setdefault("save_config_callback", LoggerSaveConfigCallback)
-        argv = kwargs.get("args", args[6] if len(args) > 6 else None)
-        self.command_line = list(sys.argv[1:] if argv is None else argv) if not isinstance(argv, dict) else None
+        argv = kwargs.get("args")  # as LightningCLI reads it: None = the process's command line
+        self.command_line = (
+            list(sys.argv[1:] if argv is None else argv) if isinstance(argv, (list, type(None))) else None
+        )
         check_ckpt_file(self.command_line)
         super().__init__(*args, **kwargs)
 

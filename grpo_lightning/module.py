@@ -26,7 +26,7 @@ from grpo_lightning.loss import grpo_loss
 from grpo_lightning.models.build import load_tokenizer
 from grpo_lightning.models.lean import PromptGroups
 from grpo_lightning.models.logprobs import DEFAULT_LOGPROB_CHUNK, completion_logprobs
-from grpo_lightning.models.policy import build_policy, context_length, sampling_context
+from grpo_lightning.models.policy import attached_trainer, build_policy, context_length, sampling_context
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.validation import check_checkpoint_fits, check_ranges
@@ -115,7 +115,7 @@ class GRPOModule(LightningModule):
             self.hparams.model_name_or_path,
             self.tiny_model,
             self.tokenizer,
-            trainer=self._trainer,
+            trainer=attached_trainer(self),
             mesh=self.device_mesh,
             reference=self.has_reference,
             no_dropout=self.hparams.disable_dropout,
@@ -157,7 +157,7 @@ class GRPOModule(LightningModule):
     # -------------------------------------------------------------------------- the rollout's policy side
     def rollout_context(self) -> AbstractContextManager[None]:
         """What a rollout runs in: the Trainer's precision and the policy's full weights, gathered once."""
-        return sampling_context(self._trainer, self.policy)
+        return sampling_context(attached_trainer(self), self.policy)
 
     @torch.no_grad()
     def rollout_logprobs(self, batch: RolloutBatch, *, old: bool, ref: bool) -> tuple[Tensor | None, Tensor | None]:
@@ -282,7 +282,7 @@ class GRPOModule(LightningModule):
         from lightning.pytorch.plugins.precision import MixedPrecision
 
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        trainer = self._trainer
+        trainer = attached_trainer(self)
         deepspeed = hasattr(trainer.strategy, "zero_stage_3") if trainer is not None else False
         amp_clipping = (
             trainer is not None
@@ -334,7 +334,7 @@ class GRPOModule(LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuses another model's checkpoint; restores π_ref (saved or the starting one) and the guard."""
-        trainer = self._trainer
+        trainer = attached_trainer(self)
         source = repr(str(getattr(trainer, "ckpt_path", None) or "")) if trainer is not None else "''"
         check_checkpoint_fits(
             checkpoint,

@@ -32,7 +32,7 @@ from grpo_lightning.engines import RolloutEngine
 from grpo_lightning.evaluation import HeldOutMetrics
 from grpo_lightning.lora import LoraConfig
 from grpo_lightning.models.build import load_tokenizer
-from grpo_lightning.models.policy import build_policy, context_length, sampling_context
+from grpo_lightning.models.policy import attached_trainer, build_policy, context_length, sampling_context
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.rewards import RewardSpec
 from grpo_lightning.rewards.scorer import Scorer
@@ -106,7 +106,7 @@ class SFTModule(LightningModule):
                 self.hparams.model_name_or_path,
                 self.tiny_model,
                 self.tokenizer,
-                trainer=self._trainer,
+                trainer=attached_trainer(self),
                 mesh=self.device_mesh,
                 no_dropout=self.hparams.disable_dropout,
                 gradient_checkpointing=self.hparams.gradient_checkpointing,
@@ -115,7 +115,7 @@ class SFTModule(LightningModule):
 
     # the policy side of held-out evaluation (``rollout/policy.py``)
     def rollout_context(self) -> AbstractContextManager[None]:
-        return sampling_context(self._trainer, self.policy)
+        return sampling_context(attached_trainer(self), self.policy)
 
     def context_length(self) -> int | None:
         return context_length(self.hparams.model_name_or_path, self.tiny_model)

@@ -24,13 +24,22 @@ from conftest import TINY
 from lightning import Callback, Trainer, seed_everything
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
-from grpo_lightning.callbacks.checkpointing import WRITE_DELAY_ENV
-from grpo_lightning.callbacks.guard import NonFiniteError, NonFiniteGuard
+from grpo_lightning.checkpoint_io import AtomicCheckpointIO
 from grpo_lightning.cli import TRAINER_DEFAULTS, main
+from grpo_lightning.guard import NonFiniteError, NonFiniteGuard
 from grpo_lightning.rewards import RewardSpec, register
 
 ROUNDS, PROMPTS, STEPS_PER_ROUND = 5, 2, 2
 SLOW_ENV = "GRPO_TEST_SLOW_ROUND"  # set in forked runs only: the round that Marker slows down ("4w": its save too)
+WRITE_DELAY_ENV = "GRPO_TEST_WRITE_DELAY_S"  # set by Marker in a forked run: SlowWriteIO's pause mid-write
+
+
+class SlowWriteIO(AtomicCheckpointIO):
+    """The atomic writer, pausing once the bytes are written and before the rename when ``$GRPO_TEST_WRITE_DELAY_S``
+    is set: a kill then lands in the middle of a checkpoint write."""
+
+    def before_sync(self, tmp: Path) -> None:
+        time.sleep(float(os.environ.get(WRITE_DELAY_ENV, "0") or 0))
 
 
 @register("crash_length")
@@ -54,15 +63,16 @@ class Marker(Callback):
         return os.environ.get(SLOW_ENV, "").rstrip("w") == str(trainer.current_epoch + 1)
 
     def on_fit_start(self, trainer, module):
-        generate = module.generate
+        engine = trainer.datamodule.engine.get(module)
+        generate = engine.generate
 
-        def marked_generate(prompts, **kwargs):
+        def marked_generate(*args, **kwargs):
             self._mark(f"generate {trainer.current_epoch + 1}")
             if self._slow(trainer):
                 time.sleep(1.0)  # wide windows: the signal lands where intended even on a loaded machine
-            return generate(prompts, **kwargs)
+            return generate(*args, **kwargs)
 
-        module.generate = marked_generate
+        engine.generate = marked_generate
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self._mark(f"step {trainer.current_epoch + 1} {trainer.global_step}")
@@ -86,6 +96,7 @@ def write_config(tmp: Path, every_n_rounds: int = 1) -> Path:
             "enable_model_summary": False,
             "limit_val_batches": 0,
             "default_root_dir": str(tmp),
+            "plugins": [{"class_path": "test_crash.SlowWriteIO"}],
             "callbacks": [
                 {
                     "class_path": "grpo_lightning.callbacks.checkpointing.RoundCheckpoint",
@@ -94,14 +105,15 @@ def write_config(tmp: Path, every_n_rounds: int = 1) -> Path:
                 {"class_path": "test_crash.Marker", "init_args": {"path": str(tmp / "markers")}},
             ],
         },
-        "model": {
-            "tiny_model": asdict(TINY),
+        "model": {"tiny_model": asdict(TINY), "objective": {"beta": 0.04}, "lr": 1e-3},
+        "data": {
             "rewards": [{"name": "crash_length"}],
             "sampling": {"group_size": 4, "max_new_tokens": 4},
-            "objective": {"beta": 0.04},
-            "lr": 1e-3,
+            "prompts_per_round": PROMPTS,
+            "mini_batch_size": 4,
+            "val_limit": 4,
+            "task_kwargs": {"test_size": 50},
         },
-        "data": {"prompts_per_round": PROMPTS, "mini_batch_size": 4, "val_limit": 4, "task_kwargs": {"test_size": 50}},
     }
     path = tmp / "config.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -226,15 +238,16 @@ class Inject(Callback):
 def guarded_fit(tmp_path, inject: Inject, max_skips: int = 3) -> Trainer:
     seed_everything(0)
     module = GRPOModule(
-        tiny_model=TINY,
+        tiny_model=TINY, objective=ObjectiveConfig(beta=0.04), lr=1e-3, warmup_steps=4, max_nonfinite_skips=max_skips
+    )
+    data = RolloutDataModule(
         rewards=[RewardSpec("crash_length")],
         sampling=SamplingConfig(group_size=4, max_new_tokens=4),
-        objective=ObjectiveConfig(beta=0.04),
-        lr=1e-3,
-        warmup_steps=4,
-        max_nonfinite_skips=max_skips,
+        prompts_per_round=PROMPTS,
+        mini_batch_size=4,
+        val_limit=4,
+        task_kwargs={"test_size": 50},
     )
-    data = RolloutDataModule(prompts_per_round=PROMPTS, mini_batch_size=4, val_limit=4, task_kwargs={"test_size": 50})
     trainer = Trainer(
         **TRAINER_DEFAULTS,
         max_epochs=2,

@@ -79,12 +79,6 @@ def _rollout(prompts: list[str], solved: list[list[float]]) -> SimpleNamespace:
     )
 
 
-def _module(group_size: int) -> SimpleNamespace:
-    return SimpleNamespace(
-        sampling=SimpleNamespace(group_size=group_size), accuracy_reward="exact_answer", trainer=None
-    )
-
-
 def test_observe_blends_rates_matches_groups_by_prompt_and_logs():
     texts = ["p0", "p1", "p2", "p3"]
     sampler = CurriculumSampler(CurriculumConfig(history=0.5), seed=0)
@@ -93,7 +87,7 @@ def test_observe_blends_rates_matches_groups_by_prompt_and_logs():
     order = list(reversed(drawn))
     solved = {drawn[0]: [1, 1, 1, 1], drawn[1]: [1, 0, 0, 0], drawn[2]: [0, 0, 0, 0]}
     rollout = _rollout([texts[i] for i in order], [solved[i] for i in order])
-    sampler.observe(rollout, lambda i: texts[i], _module(4))
+    sampler.observe(rollout, lambda i: texts[i], 4, "exact_answer")
     assert sampler.pass_rates[drawn[0]] == 1.0 and sampler.pass_rates[drawn[1]] == 0.25
     assert sampler.pass_rates[drawn[2]] == 0.0
     assert math.isnan(sampler.pass_rates[({0, 1, 2, 3} - set(drawn)).pop()])
@@ -102,7 +96,7 @@ def test_observe_blends_rates_matches_groups_by_prompt_and_logs():
     assert all(key.startswith("curriculum/") for key in rollout.metrics)
     # Second observation of a prompt: rate ← 0.5 × old + 0.5 × new.
     sampler._pending = [drawn[1]]
-    sampler.observe(_rollout([texts[drawn[1]]], [[1, 1, 1, 1]]), lambda i: texts[i], _module(4))
+    sampler.observe(_rollout([texts[drawn[1]]], [[1, 1, 1, 1]]), lambda i: texts[i], 4, "exact_answer")
     assert sampler.pass_rates[drawn[1]] == pytest.approx(0.625)
 
 
@@ -138,10 +132,10 @@ def test_grpo_fit_with_a_curriculum_logs_its_metrics(tmp_path):
         },
         "model": {
             "tiny_model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64},
-            "sampling": {"group_size": 4, "max_new_tokens": 3},
             "objective": {"beta": 0.0},
         },
         "data": {
+            "sampling": {"group_size": 4, "max_new_tokens": 3},
             "prompts_per_round": 4,
             "val_split": None,
             "task_kwargs": {"max_operand": 9, "test_size": 20},

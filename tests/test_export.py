@@ -13,7 +13,7 @@ from conftest import TINY, quiet_trainer
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from grpo_lightning import GRPOModule, RewardSpec, RolloutDataModule, SamplingConfig
+from grpo_lightning import GRPOModule, ObjectiveConfig, RewardSpec, RolloutDataModule, SamplingConfig
 from grpo_lightning.cli import GRPOCLI
 from grpo_lightning.rewards import register
 from grpo_lightning.validation import check_checkpoint_hparams
@@ -41,13 +41,18 @@ def length_reward(prompts, completions, **_):
 
 
 def tiny_module(**kwargs) -> GRPOModule:
-    sampling = SamplingConfig(group_size=4, max_new_tokens=4, temperature=0.7)
-    return GRPOModule(tiny_model=TINY, rewards=[RewardSpec("test_export_length")], sampling=sampling, **kwargs)
+    return GRPOModule(tiny_model=TINY, **kwargs)
 
 
 def fit_one_round(module: GRPOModule, tmp_path: Path, **trainer_settings) -> Path:
     """One round of GRPO (so the weights differ from their initialisation), saved as a checkpoint."""
-    data = RolloutDataModule(prompts_per_round=4, val_limit=4, task_kwargs={"test_size": 50})
+    data = RolloutDataModule(
+        rewards=[RewardSpec("test_export_length")],
+        sampling=SamplingConfig(group_size=4, max_new_tokens=4, temperature=0.7),
+        prompts_per_round=4,
+        val_limit=4,
+        task_kwargs={"test_size": 50},
+    )
     trainer = quiet_trainer(tmp_path, max_epochs=1, **trainer_settings)
     torch.manual_seed(0)
     module.configure_model()
@@ -124,7 +129,7 @@ def test_float32_checkpoint_exports_in_float32(tmp_path):
 
 def test_checkpoint_of_the_command_line_exports_without_a_changed_settings_warning(tmp_path, monkeypatch, caplog):
     """Saved hyperparameters hold the parsed config (jsonargparse Namespaces), the rebuilt module its own objects
-    (``RewardSpec``, ...): the same settings in two forms, not a change."""
+    (``ObjectiveConfig``, ...): the same settings in two forms, not a change."""
     monkeypatch.chdir(tmp_path)
     quickstart = ROOT / "configs" / "quickstart.yaml"
     model = ROOT / "grpo_lightning" / "assets" / "tiny-arith"
@@ -141,12 +146,12 @@ def test_checkpoint_of_the_command_line_exports_without_a_changed_settings_warni
 def test_saved_settings_compare_by_value_whatever_their_form():
     from jsonargparse import Namespace
 
-    def saved(weight: float) -> list[Namespace]:  # what a checkpoint of the command line holds
-        spec = Namespace(name="exact_answer", weight=weight, kwargs={})
-        return [Namespace(class_path="grpo_lightning.RewardSpec", init_args=spec, __subclasses_disabled__=True)]
+    def saved(beta: float) -> Namespace:  # what a checkpoint of the command line holds
+        spec = Namespace(beta=beta, loss_type="grpo", epsilon_low=0.2)
+        return Namespace(class_path="grpo_lightning.ObjectiveConfig", init_args=spec, __subclasses_disabled__=True)
 
-    current = {"rewards": [RewardSpec("exact_answer")], "sampling": SamplingConfig(group_size=8)}
-    assert check_checkpoint_hparams({"rewards": saved(1.0), "sampling": {"group_size": 8}}, current, "'x'") == []
-    assert check_checkpoint_hparams({"rewards": [{"name": "exact_answer"}]}, current, "'x'") == []  # defaults
-    assert check_checkpoint_hparams({"rewards": saved(0.5)}, current, "'x'") == ["model.rewards"]
-    assert check_checkpoint_hparams({"sampling": {"group_size": 4}}, current, "'x'") == ["model.sampling"]
+    current = {"objective": ObjectiveConfig(beta=0.04), "lr": 1e-4}
+    assert check_checkpoint_hparams({"objective": saved(0.04), "lr": 1e-4}, current, "'x'") == []
+    assert check_checkpoint_hparams({"objective": {"loss_type": "grpo"}}, current, "'x'") == []  # defaults
+    assert check_checkpoint_hparams({"objective": saved(0.5)}, current, "'x'") == ["model.objective"]
+    assert check_checkpoint_hparams({"lr": 1e-3}, current, "'x'") == ["model.lr"]

@@ -8,15 +8,8 @@ import math
 import pytest
 import torch
 
-from grpo_lightning.config import ConfigError
-from grpo_lightning.metrics import (
-    MajorityAtK,
-    PassAtK,
-    check_eval_settings,
-    majority_vote,
-    pass_at_k,
-    resolve_answer_fn,
-)
+from grpo_lightning.config import ConfigError, EvalConfig
+from grpo_lightning.metrics import MajorityAtK, PassAtK, majority_vote, pass_at_k, resolve_answer_fn
 
 
 def brute_force_pass_at_k(n: int, c: int, k: int) -> float:
@@ -112,12 +105,18 @@ def test_metrics_reduce_by_summing_states_across_ranks():
 
 
 def test_eval_settings_are_checked():
-    assert check_eval_settings(0, None, 1.0) == []
-    assert check_eval_settings(8, None, 1.0) == [1, 8]
-    assert check_eval_settings(10, [5, 1, 5], 0.7) == [1, 5]
-    for args in [(-1, None, 1.0), (4, [8], 1.0), (4, [0], 1.0), (0, [1], 1.0), (4, None, 0.0)]:
-        with pytest.raises(ConfigError):
-            check_eval_settings(*args)
+    assert EvalConfig(0, 1.0, None).ks == []
+    assert EvalConfig(8, 1.0, None).ks == [1, 8]
+    assert EvalConfig(10, 0.7, [5, 1, 5]).ks == [1, 5]
+    for num_samples, pass_k, temperature in [
+        (-1, None, 1.0),
+        (4, [8], 1.0),
+        (4, [0], 1.0),
+        (0, [1], 1.0),
+        (4, None, 0.0),
+    ]:
+        with pytest.raises(ConfigError, match="data.eval"):
+            EvalConfig(num_samples, temperature, pass_k)
     assert resolve_answer_fn(None)("  42 \n") == "42"
     assert resolve_answer_fn("grpo_lightning.rewards.math.extract_answer")("so \\boxed{7}") == "7"
     with pytest.raises(ConfigError, match="no_such"):

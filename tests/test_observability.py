@@ -13,10 +13,10 @@ import wandb
 from conftest import TINY
 from lightning import Trainer
 from rich.console import Console
+from run_logs import load_run, read_csv_metrics  # tools/run_logs.py (tools/ is on sys.path: conftest)
 
-from grpo_lightning import GRPOModule, RolloutDataModule, SamplingConfig
+from grpo_lightning import EvalConfig, GRPOModule, RolloutDataModule, SamplingConfig
 from grpo_lightning.callbacks import ConsoleSamples, LoggerSaveConfigCallback, wandb_mode
-from grpo_lightning.callbacks.run_logs import load_run, read_csv_metrics
 from grpo_lightning.cli import GRPOCLI, TRAINER_DEFAULTS
 from grpo_lightning.metrics import majority_vote, pass_at_k
 from grpo_lightning.rewards import RewardSpec, register
@@ -64,12 +64,15 @@ def run_config(root: Path) -> dict:
         },
         "model": {
             "tiny_model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64},
-            "sampling": {"group_size": GROUP, "max_new_tokens": 4},
             "lr": 1e-3,
-            "eval_num_samples": K,
-            "eval_pass_k": [1, 2, K],
         },
-        "data": {"prompts_per_round": PROMPTS, "val_limit": 8, "task_kwargs": {"test_size": 50}},
+        "data": {
+            "sampling": {"group_size": GROUP, "max_new_tokens": 4},
+            "eval": {"num_samples": K, "pass_k": [1, 2, K]},
+            "prompts_per_round": PROMPTS,
+            "val_limit": 8,
+            "task_kwargs": {"test_size": 50},
+        },
     }
 
 
@@ -141,7 +144,7 @@ def test_wandb_offline_run_holds_metrics_config_tables_and_code(run):
     # The full CLI config, not only the module's hyperparameters.
     assert log.config["trainer"]["max_epochs"] == ROUNDS
     assert log.config["data"]["prompts_per_round"] == PROMPTS
-    assert log.config["model"]["eval_num_samples"] == K
+    assert log.config["data"]["eval"]["num_samples"] == K
     # A separate completions table per round, with the reward functions and advantages.
     assert sorted(log.tables) == [f"completions/round_{r:04d}" for r in range(ROUNDS)]
     table = log.tables["completions/round_0002"]
@@ -206,14 +209,15 @@ def even_length(prompts, completions, **_):
 
 
 def test_k_sample_evaluation_matches_a_recomputation(tmp_path):
-    module = GRPOModule(
-        tiny_model=TINY,
+    module = GRPOModule(tiny_model=TINY)
+    data = RolloutDataModule(
         rewards=[RewardSpec("test_even_length")],
         sampling=SamplingConfig(group_size=2, max_new_tokens=6),
-        eval_num_samples=6,
-        eval_pass_k=[1, 3, 6],
+        eval=EvalConfig(num_samples=6, pass_k=[1, 3, 6]),
+        val_limit=8,
+        val_batch_size=8,
+        task_kwargs={"test_size": 50},
     )
-    data = RolloutDataModule(val_limit=8, val_batch_size=8, task_kwargs={"test_size": 50})
     trainer = Trainer(**TRAINER_DEFAULTS, accelerator="cpu", logger=False, enable_progress_bar=False)
     _SEEN.clear()
     torch.manual_seed(0)
@@ -229,6 +233,6 @@ def test_k_sample_evaluation_matches_a_recomputation(tmp_path):
     assert first["val/maj@6"] == pytest.approx(sum(majority) / 8)
     assert 0 < first["val/pass@1"] < 1  # the test means something: a mix of right and wrong samples
     # Reproducible, and the rollout's sampling generator is not touched by evaluation.
-    untouched = torch.Generator().manual_seed(module.hparams.seed).get_state()
-    assert module.generator is None or torch.equal(module.generator.get_state(), untouched)
+    untouched = torch.Generator().manual_seed(data.seed).get_state()
+    assert data.generator is None or torch.equal(data.generator.get_state(), untouched)
     assert trainer.validate(module, datamodule=data, verbose=False)[0] == first

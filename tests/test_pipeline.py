@@ -11,9 +11,9 @@ import yaml
 from conftest import TINY
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
-from grpo_lightning.cli import GRPOCLI
+from grpo_lightning.callbacks import SaveHFModel
+from grpo_lightning.cli import GRPOCLI, SFTCLI
 from grpo_lightning.rewards.model import clear_model_cache
-from grpo_lightning.sft import SFTCLI, SaveHFModel
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = ROOT / "configs" / "pipeline"
@@ -65,7 +65,7 @@ def tiny_reward_model(tmp_path, tokenizer):
 
 def test_second_rl_stage_combines_rule_and_model_rewards_with_yaml_weights(tmp_path, tiny_reward_model):
     stage = yaml.safe_load((PIPELINE / "4_mixed_rl.yaml").read_text())
-    weights = {spec["name"]: spec["weight"] for spec in stage["model"]["rewards"]}
+    weights = {spec["name"]: spec["weight"] for spec in stage["data"]["rewards"]}
     assert set(weights) == {"exact_answer", "reward_model"}
     # The stage's own YAML, with a tiny policy, the tiny reward model and two short rounds instead of 20.
     override = {
@@ -75,14 +75,19 @@ def test_second_rl_stage_combines_rule_and_model_rewards_with_yaml_weights(tmp_p
             "tiny_model": {
                 k: getattr(TINY, k) for k in ("hidden_size", "num_layers", "num_heads", "intermediate_size")
             },
+        },
+        "data": {
             "rewards": [
                 {**spec, "kwargs": {**spec.get("kwargs", {}), "model_name_or_path": tiny_reward_model}}
                 if spec["name"] == "reward_model"
                 else spec
-                for spec in stage["model"]["rewards"]
+                for spec in stage["data"]["rewards"]
             ],
+            "prompts_per_round": 4,
+            "mini_batch_size": 32,
+            "val_limit": 8,
+            "task_kwargs": {"test_size": 50},
         },
-        "data": {"prompts_per_round": 4, "mini_batch_size": 32, "val_limit": 8, "task_kwargs": {"test_size": 50}},
     }
     path = tmp_path / "override.yaml"
     path.write_text(yaml.safe_dump(override))

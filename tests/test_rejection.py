@@ -62,12 +62,12 @@ def length_reward(prompts: list[str], completions: list[str], **_: object) -> li
 @pytest.mark.parametrize("mode", ["best", "threshold"])
 def test_the_tool_writes_the_selected_completions_as_sft_data(tmp_path, mode, tiny_model_dir):
     config = {
-        "model": {
-            "model_name_or_path": tiny_model_dir,
+        "model": {"model_name_or_path": tiny_model_dir},
+        "data": {
             "rewards": [{"name": f"{__name__}.length_reward"}],
             "sampling": {"max_new_tokens": 4},
+            "task_kwargs": {"max_operand": 9, "test_size": 20},
         },
-        "data": {"task_kwargs": {"max_operand": 9, "test_size": 20}},
     }
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config))

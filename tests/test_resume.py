@@ -1,6 +1,6 @@
 """Exact resume: a run stopped at a round boundary and resumed equals the uninterrupted run, tensor for tensor.
 
-The recipe draws on every source of state a resume must restore: sampling (the module's generator), a reward
+The recipe draws on every source of state a resume must restore: sampling (the DataModule's generator), a reward
 that reads the global torch, numpy and python RNGs, the adaptive β of ``KLController``, a reference model moved by
 ``ReferenceSync``, AdamW moments, a warm-up schedule and the prompt stream.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import random
 
-import lightning
 import numpy as np
 import pytest
 import torch
@@ -17,13 +16,9 @@ from conftest import TINY
 from lightning import Callback, Trainer, seed_everything
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
-from grpo_lightning.callbacks.checkpointing import (
-    AtomicCheckpointIO,
-    RoundCheckpoint,
-    complete_round_in_loops,
-    remove_partial_checkpoints,
-)
+from grpo_lightning.callbacks.checkpointing import RoundCheckpoint
 from grpo_lightning.callbacks.kl import KLController, ReferenceSync
+from grpo_lightning.checkpoint_io import AtomicCheckpointIO, remove_partial_checkpoints
 from grpo_lightning.cli import TRAINER_DEFAULTS
 from grpo_lightning.config import ConfigError
 from grpo_lightning.models.tiny import TinyModelConfig
@@ -49,32 +44,30 @@ class Recorder(Callback):
     def __init__(self) -> None:
         self.positions, self.rewards, self.completions, self.betas, self.losses = [], [], [], [], []
 
-    def on_train_epoch_start(self, trainer, module):
-        rollout = trainer.datamodule.last_rollout
-        self.positions.append(trainer.datamodule.position)
-        self.rewards.append(rollout.rewards.clone())
-        self.completions.append(list(rollout.completions))
-
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.losses.append(outputs["loss"].detach().clone())
 
     def on_train_epoch_end(self, trainer, module):
-        self.betas.append(module.objective.beta)
+        rollout = trainer.datamodule.last_rollout  # this round's: drawn when its first batch was fetched
+        self.positions.append(trainer.datamodule.position)
+        self.rewards.append(rollout.rewards.clone())
+        self.completions.append(list(rollout.completions))
+        self.betas.append(module.beta)
 
 
 def fit(dirpath, epochs, *, ckpt_path=None, every_n_rounds=1, tiny=TINY):
     """One in-process ``fit`` of the recipe; returns the module, datamodule and recorder."""
     seed_everything(0)
     FAIL["calls"] = 0
-    module = GRPOModule(
-        tiny_model=tiny,
+    module = GRPOModule(tiny_model=tiny, objective=ObjectiveConfig(beta=0.05), lr=1e-3, warmup_steps=3)
+    data = RolloutDataModule(
         rewards=[RewardSpec("resume_noisy_length")],
         sampling=SamplingConfig(group_size=GROUP, max_new_tokens=4),
-        objective=ObjectiveConfig(beta=0.05),
-        lr=1e-3,
-        warmup_steps=3,
+        prompts_per_round=PROMPTS,
+        mini_batch_size=4,
+        val_limit=4,
+        task_kwargs={"test_size": 50},
     )
-    data = RolloutDataModule(prompts_per_round=PROMPTS, mini_batch_size=4, val_limit=4, task_kwargs={"test_size": 50})
     recorder = Recorder()
     callbacks = [recorder, KLController(target_kl=0.001, horizon=100), ReferenceSync(sync_steps=3, alpha=0.5)]
     trainer = Trainer(
@@ -86,6 +79,7 @@ def fit(dirpath, epochs, *, ckpt_path=None, every_n_rounds=1, tiny=TINY):
         enable_model_summary=False,
         limit_val_batches=0,
         callbacks=[*callbacks, RoundCheckpoint(dirpath=str(dirpath), every_n_rounds=every_n_rounds)],
+        plugins=[AtomicCheckpointIO()],
         default_root_dir=dirpath,
     )
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
@@ -178,13 +172,21 @@ def test_atomic_write_keeps_the_previous_file_and_partial_files_are_ignored(tmp_
     assert [p.name for p in remove_partial_checkpoints(tmp_path)] == [".last.ckpt.tmp-12345"]
 
 
-def test_a_round_saved_at_its_end_resumes_into_the_next_one():
-    progress = {"ready": 3, "started": 3, "processed": 3, "completed": 2}
-    checkpoint = {"loops": {"fit_loop": {"epoch_progress": {"total": dict(progress), "current": dict(progress)}}}}
-    complete_round_in_loops(checkpoint)
-    assert checkpoint["loops"]["fit_loop"]["epoch_progress"]["total"]["completed"] == 3
-    mid_round = {"ready": 4, "started": 4, "processed": 3, "completed": 3}  # saved during round 4: left alone
-    checkpoint = {"loops": {"fit_loop": {"epoch_progress": {"total": dict(mid_round), "current": dict(mid_round)}}}}
-    complete_round_in_loops(checkpoint)
-    assert checkpoint["loops"]["fit_loop"]["epoch_progress"]["total"] == mid_round
-    assert lightning.__version__  # the loop layout above is Lightning's; this file runs against the installed one
+def test_a_round_is_drawn_only_when_its_first_batch_is_fetched(tmp_path):
+    """Lightning builds a train loader it never iterates when it resumes at a round boundary: that costs nothing
+    and draws no prompt (so no loop state has to be rewritten in checkpoints)."""
+    seed_everything(0)
+    module = GRPOModule(tiny_model=TINY, objective=ObjectiveConfig(beta=0.0))
+    data = RolloutDataModule(
+        rewards=[RewardSpec("resume_noisy_length")],
+        sampling=SamplingConfig(group_size=GROUP, max_new_tokens=4),
+        prompts_per_round=PROMPTS,
+        val_split=None,
+    )
+    trainer = Trainer(**TRAINER_DEFAULTS, max_epochs=1, accelerator="cpu", logger=False, enable_progress_bar=False)
+    trainer.fit(module, datamodule=data)
+    assert data.position == PROMPTS
+    unused = data.train_dataloader()
+    assert len(unused) == 1 and data.position == PROMPTS and data.last_rollout is not None  # nothing drawn
+    batch = next(iter(data.train_dataloader()))
+    assert data.position == 2 * PROMPTS and batch["completion_ids"].size(0) == PROMPTS * GROUP

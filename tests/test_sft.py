@@ -10,12 +10,15 @@ import torch.nn.functional as F
 import yaml
 from conftest import TINY
 
+from grpo_lightning.cli import SFTCLI
+from grpo_lightning.engines import LeanEngine, SamplingParams
 from grpo_lightning.module import GRPOModule
+from grpo_lightning.rollout.prompts import PromptEncoder
 from grpo_lightning.sft import (
     IGNORE_INDEX,
-    SFTCLI,
     SFTDataModule,
     SFTModule,
+    encode_examples,
     pack_examples,
     pad_batch,
     response_loss,
@@ -40,7 +43,7 @@ def test_response_loss_counts_response_tokens_only():
 
 def test_examples_label_the_response_and_eos_only():
     module = SFTModule(tiny_model=TINY)
-    [(ids, labels)] = module.encode_examples(["12+3="], ["15"])
+    [(ids, labels)] = encode_examples(PromptEncoder(module.tokenizer), ["12+3="], ["15"])
     tokenizer = module.tokenizer
     prompt = tokenizer("12+3=", add_special_tokens=False)["input_ids"]
     response = [*tokenizer("15", add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
@@ -50,7 +53,9 @@ def test_examples_label_the_response_and_eos_only():
 
 def test_packed_rows_give_the_loss_of_padded_examples(tiny_llama):
     module = SFTModule(tiny_model=TINY)
-    examples = module.encode_examples(["1+2=", "34+56=", "7+8=", "90+9="], ["3", "90", "15", "99"])
+    examples = encode_examples(
+        PromptEncoder(module.tokenizer), ["1+2=", "34+56=", "7+8=", "90+9="], ["3", "90", "15", "99"]
+    )
     padded = pad_batch(examples, module.tokenizer.pad_token_id)
     rows = pack_examples(examples, 24, module.tokenizer.pad_token_id)
     assert len(rows) == 2  # 10 + 10 tokens do not fit in 24 with the third example
@@ -84,17 +89,17 @@ def test_sft_fit_writes_a_folder_grpo_starts_from(tmp_path, packing):
             "enable_checkpointing": False,
             "enable_progress_bar": False,
             "enable_model_summary": False,
-            "callbacks": [{"class_path": "grpo_lightning.sft.SaveHFModel", "init_args": {"dirpath": str(out)}}],
+            "callbacks": [{"class_path": "grpo_lightning.callbacks.SaveHFModel", "init_args": {"dirpath": str(out)}}],
         },
         "model": {
             "tiny_model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64},
-            "sampling": {"max_new_tokens": 4},
             "lr": 1e-2,
             "lr_schedule": "cosine",
             "warmup_steps": 2,
         },
         "data": {
             "dataset": str(data),
+            "sampling": {"max_new_tokens": 4},
             "val_dataset": "arithmetic",
             "val_limit": 8,
             "task_kwargs": {"test_size": 50},
@@ -118,7 +123,10 @@ def test_sft_fit_writes_a_folder_grpo_starts_from(tmp_path, packing):
     trained = cli.model.policy.state_dict()
     for name, value in grpo.policy.state_dict().items():
         assert torch.equal(value, trained[name]), name
-    completions = grpo.generate(["3+1="], greedy=True)
+    engine = LeanEngine()
+    engine.setup(grpo.policy, grpo.tokenizer)
+    ids, mask = PromptEncoder(grpo.tokenizer).encode(["3+1="])
+    completions = engine.generate(ids, mask, SamplingParams(max_new_tokens=4, greedy=True))
     assert completions.completion_ids.shape[0] == 1
     # Evaluation works on the same held-out data GRPO uses.
     results = cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)

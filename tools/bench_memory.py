@@ -3,7 +3,7 @@
     python tools/bench_memory.py                      # 32k vocabulary, 64 × 512 completion tokens (~1 min on CPU)
     python tools/bench_memory.py --rows 16 --backward # also forward + backward, at a size that fits a laptop
 
-Method (``grpo_lightning.memory.PeakMemory``): a ``TorchDispatchMode`` records the bytes of every tensor storage
+Method (``tools/memory_probe.py: PeakMemory``): a ``TorchDispatchMode`` records the bytes of every tensor storage
 created inside the measured block, from the operation creating it until the storage is freed, and reports the
 highest total. It counts what the code keeps alive (logits, their float32 copies, softmax outputs, saved
 activations, gradients, optimizer state), on CPU as on GPU, without the noise of process RSS; kernel-internal
@@ -23,13 +23,13 @@ import argparse
 import time
 
 import torch
+from memory_probe import peak_bytes, update_peak_bytes  # tools/memory_probe.py, beside this script
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from grpo_lightning import GRPOModule, ObjectiveConfig
 from grpo_lightning.lora import LoraConfig
-from grpo_lightning.memory import peak_bytes, update_peak_bytes
+from grpo_lightning.models.logprobs import completion_logprobs
 from grpo_lightning.models.tiny import TinyModelConfig
-from grpo_lightning.rollout.generation import completion_logprobs
 
 GB = 1024**3
 

@@ -40,8 +40,7 @@ def measure(folder: Path, group_size: int, new_tokens: int, warmup: int, measure
     class Timer(L.Callback):
         def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
             stamps.append(time.perf_counter())  # μ = 1, one mini-batch: one batch = one step = one round
-
-        def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            # The round's rollout ran when this (its only) batch was fetched.
             generate.append(trainer.datamodule.last_rollout.metrics["time/generate"])
 
     module, data, trainer = make_ours(settings, folder, [Timer()])

@@ -158,6 +158,12 @@ def make_ours(settings: Settings, folder: Path, callbacks: list[Any]) -> tuple[A
     rollout = settings.prompts * settings.group_size
     module = GRPOModule(
         model_name_or_path=str(folder / "model"),
+        objective=ObjectiveConfig(beta=settings.beta, loss_type="grpo"),
+        lr=LR,
+    )
+    data = RolloutDataModule(
+        dataset=str(folder / "prompts.jsonl"),
+        val_split=None,
         rewards=[RewardSpec("digit_fraction")],
         sampling=SamplingConfig(
             group_size=settings.group_size,
@@ -165,15 +171,9 @@ def make_ours(settings: Settings, folder: Path, callbacks: list[Any]) -> tuple[A
             min_new_tokens=settings.new_tokens,
             temperature=1.0,
         ),
-        objective=ObjectiveConfig(beta=settings.beta, num_iterations=settings.mu, loss_type="grpo"),
-        lr=LR,
-        seed=SEED,
-    )
-    data = RolloutDataModule(
-        dataset=str(folder / "prompts.jsonl"),
-        val_split=None,
         prompts_per_round=settings.prompts,
         mini_batch_size=rollout,
+        num_iterations=settings.mu,
         seed=SEED,
     )
     trainer = L.Trainer(

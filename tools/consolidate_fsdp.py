@@ -69,7 +69,8 @@ def consolidate(checkpoint: str | Path, output: str | Path, *, dtype: torch.dtyp
         dtype = max(set(dtypes.values()), key=list(dtypes.values()).count) if dtypes else torch.float32
     module.policy.config.use_cache = True  # gradient checkpointing turned it off for training
     # export_hf.export_module: LoRA adapters merged, tokenizer and generation config written alongside.
-    return export_module(module, output, dtype=str(dtype).removeprefix("torch."))
+    sampling = (meta.get("RolloutDataModule") or {}).get("sampling")
+    return export_module(module, output, dtype=str(dtype).removeprefix("torch."), sampling=sampling)
 
 
 def main() -> None:

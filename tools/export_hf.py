@@ -7,7 +7,8 @@ The weights keep the dtype they were trained in (the checkpoint's: ``bfloat16`` 
 ``float32`` after ``32-true`` or ``bf16-mixed``) unless ``--dtype`` says otherwise.
 
 The folder holds the weights (``model.safetensors``), ``config.json``, the tokenizer and a ``generation_config.json``
-carrying the run's sampling settings, and loads with ``AutoModelForCausalLM.from_pretrained(OUT_DIR)``. A LoRA
+carrying the run's sampling settings (``data.sampling``, kept in the checkpoint's DataModule state), and loads
+with ``AutoModelForCausalLM.from_pretrained(OUT_DIR)``. A LoRA
 policy (a ``peft`` model) is merged into its base weights first, so the folder needs no ``peft`` to load.
 
 The checkpoint rebuilds its module from its hyperparameters, so ``model.model_name_or_path`` must still resolve
@@ -50,7 +51,12 @@ def trained_dtype(state_dict: Mapping[str, Any]) -> torch.dtype | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
-def export_module(module: GRPOModule, out_dir: str | Path, dtype: str | torch.dtype | None = None) -> Path:
+def export_module(
+    module: GRPOModule,
+    out_dir: str | Path,
+    dtype: str | torch.dtype | None = None,
+    sampling: Mapping[str, Any] | None = None,
+) -> Path:
     """Write ``module``'s policy, tokenizer and generation config to ``out_dir`` as a Hugging Face folder.
 
     Args:
@@ -58,21 +64,24 @@ def export_module(module: GRPOModule, out_dir: str | Path, dtype: str | torch.dt
         out_dir: the folder to write (created if needed).
         dtype: cast the weights to this ``torch`` dtype (or its name: ``bfloat16``, ``float16``, ...); default:
             the policy's as it is.
+        sampling: the run's sampling settings (``SamplingConfig`` fields) for the generation config; None keeps
+            the model's own.
     """
     if module.policy is None:
         module.configure_model()
     policy = merged_policy(module.policy).eval()
     if dtype is not None:
         policy = policy.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
-    tokenizer, sampling = module.tokenizer, module.sampling
+    tokenizer = module.tokenizer
     generation = policy.generation_config
     generation.pad_token_id, generation.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     if tokenizer.bos_token_id is not None:
         generation.bos_token_id = tokenizer.bos_token_id
-    # The sampling the policy was trained with: generate() on the exported model then behaves like a rollout.
-    generation.do_sample, generation.temperature = True, sampling.temperature
-    generation.top_p, generation.top_k = sampling.top_p, sampling.top_k
-    generation.max_new_tokens = sampling.max_new_tokens
+    if sampling is not None:
+        # The sampling the policy was trained with: generate() on the exported model then behaves like a rollout.
+        generation.do_sample, generation.temperature = True, sampling["temperature"]
+        generation.top_p, generation.top_k = sampling["top_p"], sampling["top_k"]
+        generation.max_new_tokens = sampling["max_new_tokens"]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     policy.save_pretrained(out_dir)
@@ -95,13 +104,15 @@ def export_checkpoint(
     The checkpoint is unpickled in full (``weights_only=False``), as ``trainer.fit/validate --ckpt_path`` does: its
     hyperparameters hold the run's config objects. Export only checkpoints you trust.
     """
-    if dtype is None:  # memory-mapped: the tensors are not read, only their dtypes
-        checkpoint = torch.load(str(ckpt_path), map_location="cpu", mmap=True, weights_only=False)
+    # Memory-mapped: only the dtypes of the tensors and the small entries are read.
+    checkpoint = torch.load(str(ckpt_path), map_location="cpu", mmap=True, weights_only=False)
+    if dtype is None:
         dtype = trained_dtype(checkpoint.get("state_dict") or {})
-        del checkpoint
+    sampling = (checkpoint.get("RolloutDataModule") or {}).get("sampling")
+    del checkpoint
     overrides = {} if model_name_or_path is None else {"model_name_or_path": model_name_or_path}
     module = GRPOModule.load_from_checkpoint(str(ckpt_path), map_location="cpu", weights_only=False, **overrides)
-    return export_module(module, out_dir, dtype=dtype)
+    return export_module(module, out_dir, dtype=dtype, sampling=sampling)
 
 
 def main(argv: list[str] | None = None) -> None:

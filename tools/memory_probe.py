@@ -73,8 +73,8 @@ def update_peak_bytes(
     backward of the GRPO loss and one optimizer step: weights, reference, gradients and optimizer state all count.
     """
     from grpo_lightning.loss import grpo_loss
+    from grpo_lightning.models.logprobs import completion_logprobs
     from grpo_lightning.rollout.batch import RolloutBatch
-    from grpo_lightning.rollout.generation import completion_logprobs
 
     generator = torch.Generator().manual_seed(seed)
     module = build()
@@ -91,7 +91,7 @@ def update_peak_bytes(
             truncated=torch.zeros(rows, dtype=torch.bool),
             rewards=torch.randn(rows, generator=generator),
         )
-        _, ref = module.rollout_logprobs(batch, record_old=False)
+        _, ref = module.rollout_logprobs(batch, old=False, ref=True)
         inputs = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
         logprobs, _ = completion_logprobs(module.policy, *inputs, chunk_size=chunk_size)
         loss, _ = grpo_loss(logprobs, None, ref, batch.rewards, batch.completion_mask, beta=module.objective.beta)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from grpo_lightning.callbacks.run_logs import RunLog, find_run, load_run
+from run_logs import RunLog, find_run, load_run  # tools/run_logs.py, beside this script
 
 # Each panel: title, then the metric names it draws (the first is the main curve; names a run lacks are skipped).
 CURVES: list[tuple[str, list[str]]] = [

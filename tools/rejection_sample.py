@@ -5,11 +5,11 @@ one (or every one at or above a threshold, deduplicated) becomes a row of an SFT
         --ckpt_path runs/pipeline/2_reasoning_rl/checkpoints/last.ckpt --out runs/pipeline/3_rejection/data.jsonl \\
         --k 8 --threshold 1.0 --num_prompts 2000
 
-``--config`` is a GRPO config (``python -m grpo_lightning``'s): its ``model`` section gives the policy, the
-sampling settings and the rewards, its ``data`` section the prompts (``train`` split by default). Further
-``--model.*``/``--data.*`` arguments override it as on the GRPO command line. ``--ckpt_path`` loads the policy's
-weights from a Lightning checkpoint of that config (without it, the config's starting model samples). Generation
-and scoring are ``GRPOModule.generate``/``score``, exactly as in a rollout (``rollout.round.sample_and_score``).
+``--config`` is a GRPO config (``python -m grpo_lightning``'s): its ``model`` section gives the policy, its
+``data`` section the prompts (``train`` split by default), the engine, the sampling settings and the rewards.
+Further ``--model.*``/``--data.*`` arguments override it as on the GRPO command line. ``--ckpt_path`` loads the
+policy's weights from a Lightning checkpoint of that config (without it, the config's starting model samples).
+Generation and scoring are a rollout's own (``rollout.sampling.sample_and_score``).
 
 The output is a ``.jsonl`` of ``prompt``, ``response``, ``reward`` and the prompt's other columns, which
 ``grpo_lightning.sft.SFTDataModule`` reads as it is. A second file (``--report``, default ``<out>.acceptance.jsonl``)
@@ -19,7 +19,6 @@ gives each prompt's acceptance rate: the share of its k samples whose reward rea
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import random
 import sys
@@ -31,9 +30,10 @@ from typing import Any, Literal
 import torch
 
 from grpo_lightning.cli import GRPOCLI
+from grpo_lightning.engines import build_engine
 from grpo_lightning.module import GRPOModule
-from grpo_lightning.rollout.datamodule import load_prompts
-from grpo_lightning.rollout.round import sample_and_score
+from grpo_lightning.rollout.prompts import PromptEncoder, load_prompts, rename_prompt_column
+from grpo_lightning.rollout.sampling import sample_and_score
 
 
 def select_completions(
@@ -139,24 +139,21 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         parser.error("--mode threshold needs --threshold")
 
     start = time.perf_counter()
-    module, data = build_module(args.config, overrides)
-    sampling = {"group_size": args.k}
-    if args.temperature is not None:
-        sampling["temperature"] = args.temperature
-    module.sampling = dataclasses.replace(module.sampling, **sampling)
     # Only the policy samples: no reference model is built.
-    module.objective = dataclasses.replace(module.objective, beta=0.0)
-    module.hparams.seed = args.seed
+    module, data = build_module(args.config, [*overrides, "--model.objective.beta=0.0"])
     module.configure_model()
     if args.ckpt_path:
         load_policy_weights(module, args.ckpt_path)
     module.to(args.device).eval()
+    changes = {"group_size": args.k} | ({"temperature": args.temperature} if args.temperature is not None else {})
+    params = data.sampling.params(**changes)
+    engine = build_engine(data.engine.engine)
+    engine.setup(module.policy, module.tokenizer)
+    encoder = PromptEncoder(module.tokenizer, data.use_chat_template)
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
 
     rows = load_prompts(data.source, args.split or data.train_split, subset=data.subset, task_kwargs=data.task_kwargs)
-    if data.prompt_column != "prompt":
-        if "prompt" in rows.column_names:
-            rows = rows.remove_columns("prompt")
-        rows = rows.rename_column(data.prompt_column, "prompt")
+    rows = rename_prompt_column(rows, data.prompt_column, f"data.dataset ({data.source})")
     order = list(range(len(rows)))
     if args.num_prompts is not None and args.num_prompts < len(rows):
         order = sorted(random.Random(args.seed).sample(order, args.num_prompts))
@@ -169,7 +166,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     with out.open("w") as out_file, report.open("w") as report_file:
         for first in range(0, len(rows), args.prompts_per_batch):
             batch = rows[first : first + args.prompts_per_batch]
-            rollout = sample_and_score(module, batch, timings)
+            with torch.no_grad():
+                rollout = sample_and_score(
+                    batch,
+                    engine=engine,
+                    encoder=encoder,
+                    scorer=data.scorer,
+                    params=params,
+                    generator=generator,
+                    device=args.device,
+                    timings=timings,
+                )
             rewards = rollout.rewards.tolist()
             rejected = None if args.keep_truncated else rollout.truncated.tolist()
             kept = select_completions(

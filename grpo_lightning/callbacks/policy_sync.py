@@ -61,7 +61,8 @@ class OldPolicySync(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Refuse a micro-batch that would train off-policy without π_old (see the module docstring)."""
         stepped = self._round_start_step is not None and trainer.global_step != self._round_start_step
-        if stepped and isinstance(batch, dict) and batch.get("old_logprobs") is None:
+        rollout_batch = isinstance(batch, dict) and "advantages" in batch  # not, e.g., an SFT batch
+        if stepped and rollout_batch and batch.get("old_logprobs") is None:
             raise RuntimeError(
                 f"micro-batch {batch_idx} of round {trainer.current_epoch + 1} comes after an optimizer step of "
                 "its round but carries no π_old log-probs: the ratio would be fixed at 1. A round with more than "

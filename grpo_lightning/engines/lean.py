@@ -18,7 +18,8 @@ from transformers.cache_utils import DynamicLayer
 
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams, concat_completions, eval_mode
 from grpo_lightning.engines.sampling import sample_next
-from grpo_lightning.models.lean import LeanDecoder, lean_unsupported, mask_positions
+from grpo_lightning.models.lean import lean_unsupported, mask_positions
+from grpo_lightning.models.lean_decoder import LeanDecoder
 
 
 class _PreallocatedLayer(DynamicLayer):

@@ -4,7 +4,8 @@ Why: for the small matrices of a decoding step (and of small models generally) t
 forward spends about as long in Python as in arithmetic: mask construction, cache objects, output capturing and
 one module call per projection. This file does the same arithmetic with plain tensor ops, so that
 
-- sampling prefills each prompt once and decodes into preallocated key/value buffers (``LeanDecoder``);
+- sampling prefills each prompt once and decodes into preallocated key/value buffers (``LeanDecoder``, in
+  ``models/lean_decoder.py``);
 - log-prob passes run each distinct prompt once and let the G completions of its group attend to its keys and
   values (``shared_prompt_hidden``): a group's prompt is computed once instead of G times, forward and backward.
 
@@ -35,8 +36,6 @@ KeyValueFn = Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]]
 
 # ``mask`` value for plain causal attention over the positions being computed (no padding, no past keys).
 CAUSAL = "causal"
-# Decoding steps on CPU pre-pack weights of at least this many elements (see ``cpu_weight_packer``).
-PACK_MIN_ELEMENTS = 1 << 18
 
 
 def lean_unsupported(model: nn.Module) -> str | None:
@@ -116,7 +115,7 @@ class LayerWeights(NamedTuple):
     scaling: float
 
 
-def _norm(module: nn.Module) -> Norm:
+def norm_weights(module: nn.Module) -> Norm:
     return Norm(module.weight, module.variance_epsilon)
 
 
@@ -133,14 +132,14 @@ def decoder_weights(model: nn.Module, pack: Callable[[Tensor], Tensor | None] | 
         layers.append(
             LayerWeights(
                 layer_idx=attn.layer_idx,
-                input_norm=_norm(layer.input_layernorm),
+                input_norm=norm_weights(layer.input_layernorm),
                 q=projection(attn.q_proj),
                 k=projection(attn.k_proj),
                 v=projection(attn.v_proj),
                 o=projection(attn.o_proj),
-                q_norm=_norm(attn.q_norm) if qk_norm else None,
-                k_norm=_norm(attn.k_norm) if qk_norm else None,
-                post_attention_norm=_norm(layer.post_attention_layernorm),
+                q_norm=norm_weights(attn.q_norm) if qk_norm else None,
+                k_norm=norm_weights(attn.k_norm) if qk_norm else None,
+                post_attention_norm=norm_weights(layer.post_attention_layernorm),
                 gate=projection(mlp.gate_proj),
                 up=projection(mlp.up_proj),
                 down=projection(mlp.down_proj),
@@ -152,7 +151,7 @@ def decoder_weights(model: nn.Module, pack: Callable[[Tensor], Tensor | None] | 
     return layers
 
 
-def _rms_norm(x: Tensor, norm: Norm) -> Tensor:
+def rms_norm(x: Tensor, norm: Norm) -> Tensor:
     """``LlamaRMSNorm``: normalised in float32, scaled in the input's dtype."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.size(-1),), norm.weight, norm.eps)
@@ -165,7 +164,7 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def _linear(x: Tensor, p: Projection) -> Tensor:
+def linear(x: Tensor, p: Projection) -> Tensor:
     if p.packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, p.packed, p.bias, "none", [], "")
     return F.linear(x, p.weight, p.bias)
@@ -175,11 +174,11 @@ def _attention(
     w: LayerWeights, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | str | None, keys_values: KeyValueFn
 ) -> Tensor:
     rows, length, _ = x.shape
-    q = _linear(x, w.q).view(rows, length, -1, w.head_dim)
-    k = _linear(x, w.k).view(rows, length, -1, w.head_dim)
-    v = _linear(x, w.v).view(rows, length, -1, w.head_dim).transpose(1, 2)
+    q = linear(x, w.q).view(rows, length, -1, w.head_dim)
+    k = linear(x, w.k).view(rows, length, -1, w.head_dim)
+    v = linear(x, w.v).view(rows, length, -1, w.head_dim).transpose(1, 2)
     if w.q_norm is not None:
-        q, k = _rms_norm(q, w.q_norm), _rms_norm(k, w.k_norm)
+        q, k = rms_norm(q, w.q_norm), rms_norm(k, w.k_norm)
     q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
     keys, values = keys_values(w.layer_idx, k, v)
     causal = isinstance(mask, str)  # CAUSAL: the fused kernels' own causal masking, no mask tensor to read
@@ -192,11 +191,11 @@ def _attention(
         scale=w.scaling,
         enable_gqa=keys.size(1) != q.size(1),
     )
-    return _linear(out.transpose(1, 2).reshape(rows, length, -1), w.o)
+    return linear(out.transpose(1, 2).reshape(rows, length, -1), w.o)
 
 
 def _mlp(w: LayerWeights, h: Tensor) -> Tensor:
-    return _linear(w.act(_linear(h, w.gate)) * _linear(h, w.up), w.down)
+    return linear(w.act(linear(h, w.gate)) * linear(h, w.up), w.down)
 
 
 def decoder_hidden(
@@ -218,14 +217,14 @@ def decoder_hidden(
     cos, sin = inner.rotary_emb(x, positions)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     for w in layers if layers is not None else decoder_weights(model):
-        x = x + _attention(w, _rms_norm(x, w.input_norm), cos, sin, mask, keys_values)
-        x = x + _mlp(w, _rms_norm(x, w.post_attention_norm))
+        x = x + _attention(w, rms_norm(x, w.input_norm), cos, sin, mask, keys_values)
+        x = x + _mlp(w, rms_norm(x, w.post_attention_norm))
     return x
 
 
 def final_norm(model: nn.Module, hidden: Tensor) -> Tensor:
     """The model's last RMSNorm, which the output layer reads."""
-    return _rms_norm(hidden, _norm(model.model.norm))
+    return rms_norm(hidden, norm_weights(model.model.norm))
 
 
 def _prompt_mask_4d(prompt_mask: Tensor) -> Tensor:
@@ -337,84 +336,3 @@ def shared_prompt_hidden(
 
     hidden = decoder_hidden(model, inputs, positions, mask, attend_to_prompt)
     return final_norm(model, torch.cat([last, hidden], dim=1))
-
-
-def cpu_weight_packer(rows: int, min_elements: int = PACK_MIN_ELEMENTS) -> Callable[[Tensor], Tensor | None] | None:
-    """``weight -> packed weight or None``: pre-packs weights in oneDNN's blocked layout for ``rows``-row products.
-
-    Why: a decoding step multiplies ``rows`` vectors by every weight matrix, so on CPU it is bound by reading the
-    weights from memory; the blocked layout streams them about 20% faster (measured on settings B of
-    ``tools/bench_trl.py``). Small weights stay in cache anyway and gain nothing: they, and weights off the CPU or
-    not in float32, are left as they are (None). The function is None when this torch build has no oneDNN. The
-    packing ops are torch's own (as used by ``torch.compile``'s CPU backend) but not public API, so a weight that
-    fails to pack is left as it is; ``tests/test_lean.py`` checks packed results against ``F.linear``.
-    """
-    if not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        torch.ops.mkldnn._linear_pointwise  # noqa: B018 (the product ``_linear`` computes on packed weights)
-    except (AttributeError, RuntimeError):
-        return None
-
-    def pack(weight: Tensor) -> Tensor | None:
-        if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.numel() < min_elements:
-            return None
-        try:
-            return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
-        except (AttributeError, RuntimeError):
-            return None
-
-    return pack
-
-
-class LeanDecoder:
-    """Sampling steps on the lean forward: a shared prefill, then one token per row into preallocated buffers.
-
-    ``prefill`` runs each prompt once and copies its keys and values into buffers sized for the whole completion,
-    once per sample of its group; ``decode`` writes one position per step and attends to the filled part. On CPU,
-    large weights are pre-packed for the decoding steps (``cpu_weight_packer``).
-    """
-
-    def __init__(self, model: nn.Module, pack_min_elements: int = PACK_MIN_ELEMENTS) -> None:
-        self.model, self.pack_min_elements = model, pack_min_elements
-
-    @torch.no_grad()
-    def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, group_size: int, max_new_tokens: int) -> Tensor:
-        """Last-position logits ``[B, V]`` of the prompts; sets up G rows per prompt for ``decode``."""
-        hidden, keys, values = run_prompts(self.model, prompt_ids, prompt_mask)
-        rows, length = prompt_ids.size(0), prompt_ids.size(1)
-        capacity = length + max_new_tokens
-        self.keys, self.values = [], []
-        for prefix_k, prefix_v in zip(keys, values):
-            for prefix, buffers in ((prefix_k, self.keys), (prefix_v, self.values)):
-                buffer = prefix.new_empty(rows * group_size, prefix.size(1), capacity, prefix.size(-1))
-                buffer.view(rows, group_size, *buffer.shape[1:])[..., :length, :] = prefix[:, None]
-                buffers.append(buffer)
-        self.filled = length
-        # Read once for all decoding steps, with large weights pre-packed on CPU (``cpu_weight_packer``).
-        self.layers = decoder_weights(self.model, cpu_weight_packer(rows * group_size, self.pack_min_elements))
-        self.positions = mask_positions(prompt_mask)[:, -1:].repeat_interleave(group_size, dim=0)
-        # Padded prompts: a key mask over the buffer (prompt padding masked, generated positions open).
-        self.key_mask = None
-        if not bool(prompt_mask.all()):
-            self.key_mask = torch.ones(rows * group_size, capacity, dtype=torch.bool, device=prompt_ids.device)
-            self.key_mask[:, :length] = prompt_mask.bool().repeat_interleave(group_size, dim=0)
-        self.final_norm = _norm(self.model.model.norm)
-        self.output = Projection(self.model.lm_head.weight, self.model.lm_head.bias)
-        return _linear(_rms_norm(hidden[:, -1], self.final_norm), self.output)
-
-    @torch.no_grad()
-    def decode(self, tokens: Tensor) -> Tensor:
-        """Logits ``[N, V]`` after appending ``tokens`` ``[N]`` (one per row) to every sequence."""
-        self.positions = self.positions + 1
-        column, end = self.filled, self.filled + 1
-
-        def write(layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-            self.keys[layer][:, :, column : column + 1] = k
-            self.values[layer][:, :, column : column + 1] = v
-            return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
-
-        mask = None if self.key_mask is None else self.key_mask[:, None, None, :end]
-        hidden = decoder_hidden(self.model, tokens[:, None], self.positions, mask, write, self.layers)
-        self.filled = end
-        return _linear(_rms_norm(hidden[:, -1], self.final_norm), self.output)

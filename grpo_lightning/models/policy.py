@@ -85,6 +85,14 @@ def sampling_context(trainer: Any, policy: torch.nn.Module | None) -> Iterator[N
         yield
 
 
+def attached_trainer(module: Any) -> Any:
+    """The Trainer ``module`` is attached to, or None (Lightning's ``module.trainer`` raises when there is none)."""
+    try:
+        return module.trainer
+    except RuntimeError:
+        return None
+
+
 def context_length(name: str | None, tiny_model: TinyModelConfig) -> int | None:
     """The longest sequence (prompt + completion) the model supports, from its config; None when unknown."""
     if name is None:

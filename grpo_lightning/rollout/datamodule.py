@@ -15,6 +15,7 @@ passes of π_old and π_ref).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any, Literal
@@ -37,7 +38,6 @@ from grpo_lightning.rollout.round import RoundSettings, run_round
 from grpo_lightning.rollout.stream import PromptStream
 from grpo_lightning.strategies import gather_per_rank
 from grpo_lightning.validation import check_prompts, check_ranges
-
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,9 @@ class RolloutDataModule(LightningDataModule):
         self.train_split, self.val_dataset, self.val_split = train_split, val_dataset, val_split
         self.prompt_column, self.use_chat_template = prompt_column, use_chat_template
         # Resolved now: an unknown reward, engine or answer function is reported before any model loads.
-        self.scorer = Scorer(rewards, accuracy_reward=accuracy_reward, on_error=reward_on_error, timeout_s=reward_timeout_s)
+        self.scorer = Scorer(
+            rewards, accuracy_reward=accuracy_reward, on_error=reward_on_error, timeout_s=reward_timeout_s
+        )
         self.engine = EngineHandle(engine)
         self.sampling, self.advantage = sampling or SamplingConfig(), advantage or AdvantageConfig()
         self.eval = eval or EvalConfig()
@@ -184,7 +186,9 @@ class RolloutDataModule(LightningDataModule):
         if self.val_split is not None and self.val_data is None:
             source = self.val_dataset or self.source
             setting = "data.val_dataset" if self.val_dataset else "data.dataset"
-            data = load_prompts(source, self.val_split, subset=self.subset, task_kwargs=self.task_kwargs, setting=setting)
+            data = load_prompts(
+                source, self.val_split, subset=self.subset, task_kwargs=self.task_kwargs, setting=setting
+            )
             if self.val_limit is not None:
                 data = data.select(range(min(self.val_limit, len(data))))
             self.val_data = self._checked(data, f"validation data ({source}, split {self.val_split})")
@@ -316,6 +320,7 @@ class RolloutDataModule(LightningDataModule):
             "seed": self.seed,
             "dataset": self.source,
             "prompts_per_round": self.prompts_per_round,
+            "sampling": dataclasses.asdict(self.sampling),  # what sampled: tools/export_hf.py's generation config
         }
         if self.curriculum is not None:  # the per-prompt pass rates: a key of its own
             state["curriculum"] = self.curriculum.state_dict()
@@ -331,7 +336,11 @@ class RolloutDataModule(LightningDataModule):
         self.generator = None
         changed = [
             f"data.{key}={state_dict[key]!r}"
-            for key, value in (("seed", self.seed), ("dataset", self.source), ("prompts_per_round", self.prompts_per_round))
+            for key, value in (
+                ("seed", self.seed),
+                ("dataset", self.source),
+                ("prompts_per_round", self.prompts_per_round),
+            )
             if key in state_dict and state_dict[key] != value
         ]
         if changed:

@@ -91,8 +91,9 @@ def run_round(
     batch = sample()  # 1. generate (π_old) and 2. score
     generated, rounds = len(batch), 1
     if settings.dynamic_sampling:  # 3. filter: DAPO dynamic sampling
-        batch, generated, rounds = refill_informative(batch, sample, settings.sampling.group_size,
-                                                      settings.max_sampling_rounds, encoder.tokenizer.pad_token_id)
+        batch, generated, rounds = refill_informative(
+            batch, sample, settings.sampling.group_size, settings.max_sampling_rounds, encoder.tokenizer.pad_token_id
+        )
     batch.advantages = compute_advantages(batch, settings, all_gather)  # 4. group-relative advantages
     batch.loss_mask = batch.completion_mask.clone()
     if settings.mask_truncated_completions:
