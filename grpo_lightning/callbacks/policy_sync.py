@@ -37,8 +37,9 @@ class OldPolicySync(Callback):
         if engine.is_current(pl_module.global_step):
             return False
         start = time.perf_counter()
-        with pl_module.rollout_context():  # FSDP2: the full weights, gathered for the push
-            engine.load_weights(pl_module.policy, pl_module.global_step)
+        # Under FSDP2 the engine gathers one parameter at a time (``DTensor.full_tensor``), on every rank: the
+        # whole model is never gathered at once for the push.
+        engine.load_weights(pl_module.policy, pl_module.global_step)
         self.last_sync_s = time.perf_counter() - start
         return True
 
