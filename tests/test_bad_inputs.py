@@ -39,9 +39,14 @@ BASE = {
         "enable_progress_bar": False,
         "enable_model_summary": False,
     },
-    "model": {"tiny_model": asdict(TINY), "sampling": {"group_size": 4, "max_new_tokens": 4}},
+    "model": {"tiny_model": asdict(TINY)},
     # A small task: building the prompt set takes no time.
-    "data": {"prompts_per_round": 4, "val_limit": 8, "task_kwargs": {"max_operand": 20, "test_size": 50}},
+    "data": {
+        "sampling": {"group_size": 4, "max_new_tokens": 4},
+        "prompts_per_round": 4,
+        "val_limit": 8,
+        "task_kwargs": {"max_operand": 20, "test_size": 50},
+    },
 }
 
 REWARD_MODULES = {
@@ -77,9 +82,9 @@ def setting(path: str, value):
     return edit
 
 
-def reward(name: str, **model):
+def reward(name: str, **data):
     """Edit: score with the reward ``name`` (an import path, for the modules in REWARD_MODULES)."""
-    return setting("model", {**BASE["model"], "rewards": [{"name": name}], **model})
+    return setting("data", {**BASE["data"], "rewards": [{"name": name}], **data})
 
 
 def checkpoint_of(hidden_size: int):
@@ -119,13 +124,15 @@ ROUND_CHECKPOINT = [{"class_path": "grpo_lightning.callbacks.RoundCheckpoint", "
 # name: (edit of the base config, text the one-line error must contain)
 CATALOGUE = {
     "unknown_key": (setting("model.lerning_rate", 1.0), "model.lerning_rate"),
-    "unknown_nested_key": (setting("model.sampling.grup_size", 4), "did you mean 'model.sampling.group_size'"),
+    "unknown_nested_key": (setting("data.sampling.grup_size", 4), "did you mean 'data.sampling.group_size'"),
     "unknown_key_on_command_line": (args("--data.promts_per_round", "4"), "data.promts_per_round"),
     "wrong_type": (setting("model.lr", "fast"), "model.lr: expected a float"),
     "missing_config_file": (args("--config", "no_such.yaml"), "no_such.yaml"),
-    "group_size_1": (setting("model.sampling.group_size", 1), "model.sampling.group_size"),
-    "temperature_0": (setting("model.sampling.temperature", 0.0), "model.sampling.temperature"),
+    "group_size_1": (setting("data.sampling.group_size", 1), "data.sampling.group_size"),
+    "temperature_0": (setting("data.sampling.temperature", 0.0), "data.sampling.temperature"),
     "prompts_per_round_0": (setting("data.prompts_per_round", 0), "data.prompts_per_round"),
+    "num_iterations_0": (setting("data.num_iterations", 0), "data.num_iterations must be >= 1"),
+    "unknown_engine": (setting("data.engine", "bogus"), "data.engine: unknown engine 'bogus'"),
     "max_nonfinite_skips_0": (setting("model.max_nonfinite_skips", 0), "model.max_nonfinite_skips"),
     "every_n_rounds_0": (setting("trainer.callbacks", ROUND_CHECKPOINT), "every_n_rounds"),
     "reload_every_2_epochs": (setting("trainer.reload_dataloaders_every_n_epochs", 2), "reload_dataloaders"),
@@ -154,7 +161,7 @@ CATALOGUE = {
     "negative_weight_decay": (setting("model.weight_decay", -0.1), "model.weight_decay must be >= 0"),
     "negative_warmup": (setting("model.warmup_steps", -1), "model.warmup_steps must be >= 0"),
     "logprob_batch_size_0": (setting("model.logprob_batch_size", 0), "model.logprob_batch_size must be >= 1"),
-    "reward_timeout_0": (setting("model.reward_timeout_s", 0), "model.reward_timeout_s must be > 0"),
+    "reward_timeout_0": (setting("data.reward_timeout_s", 0), "data.reward_timeout_s must be > 0"),
     "negative_mini_batch": (setting("data.mini_batch_size", -4), "data.mini_batch_size must be >= 1"),
     "micro_batch_0": (setting("data.micro_batch_size", 0), "data.micro_batch_size must be >= 1"),
     "val_batch_size_0": (setting("data.val_batch_size", 0), "data.val_batch_size must be >= 1"),
@@ -308,7 +315,10 @@ RANGE_CASES = {
     "model.weight_decay": (-0.1, 0.0),
     "model.warmup_steps": (-1, 0),
     "model.logprob_batch_size": (0, 1),
-    "model.reward_timeout_s": (0.0, None),
+    "data.reward_timeout_s": (0.0, None),
+    "data.num_iterations": (0, 1),
+    "data.prompts_per_round": (0, 1),
+    "data.max_sampling_rounds": (0, 1),
     "data.mini_batch_size": (0, None),
     "data.micro_batch_size": (-2, 1),
     "data.val_batch_size": (0, 1),

@@ -28,10 +28,14 @@ TINY_CONFIG = {
     },
     "model": {
         "tiny_model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64},
-        "sampling": {"group_size": 4, "max_new_tokens": 4},
         "lr": 1e-3,
     },
-    "data": {"prompts_per_round": 4, "val_limit": 16, "task_kwargs": {"test_size": 50}},
+    "data": {
+        "sampling": {"group_size": 4, "max_new_tokens": 4},
+        "prompts_per_round": 4,
+        "val_limit": 16,
+        "task_kwargs": {"test_size": 50},
+    },
 }
 
 
@@ -68,7 +72,7 @@ def test_fit_three_rounds_then_validate_the_checkpoint_then_resume_two_more(tmp_
     (tmp_path / "cli_rewards.py").write_text(
         "def char_sum(prompts, completions, **_):\n    return [float(sum(map(ord, c)) % 5) for c in completions]\n"
     )
-    config["model"]["rewards"] = [{"name": "cli_rewards.char_sum"}]
+    config["data"]["rewards"] = [{"name": "cli_rewards.char_sum"}]
     cfg = write_config(tmp_path / "c.yaml", config)
     fit = run_cli("fit", "--config", str(cfg), cwd=tmp_path)
     assert fit.returncode == 0, fit.stderr[-3000:]
@@ -102,7 +106,7 @@ def test_print_config_and_composition(tmp_path):
         str(base),
         "--config",
         str(override),
-        "--model.sampling.group_size",
+        "--data.sampling.group_size",
         "6",
         "--print_config",
         cwd=tmp_path,
@@ -111,6 +115,6 @@ def test_print_config_and_composition(tmp_path):
     printed = yaml.safe_load(out.stdout)
     assert printed["model"]["objective"]["beta"] == 0.0
     assert printed["model"]["objective"]["loss_type"] == "dapo"
-    assert printed["model"]["sampling"]["group_size"] == 6
-    assert printed["model"]["sampling"]["max_new_tokens"] == 4  # from the base file
+    assert printed["data"]["sampling"]["group_size"] == 6
+    assert printed["data"]["sampling"]["max_new_tokens"] == 4  # from the base file
     assert printed["trainer"]["reload_dataloaders_every_n_epochs"] == 1

@@ -1,11 +1,12 @@
 """Every shipped config runs, and every precision × gradient clipping × LoRA combination trains or is refused.
 
 ``test_shipped_config_runs`` runs each YAML file under ``configs/`` (found by glob: a new file fails here until it
-has an entry in ``RUNS``) for one round on CPU, in a scratch working directory, as its header says to run it
-(recipes composed with the quickstart, LoRA with the GSM8K recipe it names). Only what a CPU test has to change is
-overridden: the accelerator, one short round, a tiny local model where the config names a Hub model, local data
-where it would download some, and the files a pipeline stage reads from earlier stages. ``configs/strategies``
-is tested by ``test_strategies_presets.py``.
+has an entry in ``RUNS``; an engine config under ``configs/engines/`` runs composed with the quickstart without
+one, and is skipped when the engine it names needs a package that is not installed) for one round on CPU, in a
+scratch working directory, as its header says to run it (recipes composed with the quickstart, LoRA with the
+GSM8K recipe it names). Only what a CPU test has to change is overridden: the accelerator, one short round, a
+tiny local model where the config names a Hub model, local data where it would download some, and the files a
+pipeline stage reads from earlier stages. ``configs/strategies`` is tested by ``test_strategies_presets.py``.
 """
 
 from __future__ import annotations
@@ -18,16 +19,16 @@ from pathlib import Path
 import pytest
 import torch
 import wandb
+import yaml
 from conftest import TINY, quiet_trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from transformers import LlamaConfig, LlamaForSequenceClassification, Qwen2Config, Qwen2ForCausalLM
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
-from grpo_lightning.cli import GRPOCLI, place_run_folders
+from grpo_lightning.cli import GRPOCLI, SFTCLI, place_run_folders
 from grpo_lightning.models.tiny import build_char_tokenizer
 from grpo_lightning.rewards import RewardSpec, register
 from grpo_lightning.rewards.model import clear_model_cache
-from grpo_lightning.sft import SFTCLI
 from grpo_lightning.tasks.arithmetic import addition_pairs, format_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,7 +129,7 @@ def gsm8k_with(*configs: str):
         composed = [arg for name in configs for arg in ("--config", str(CONFIGS / name))]
         data = {"data_files": str(GSM8K_SAMPLE), "test_size": 2}
         args = ["--config", str(CONFIGS / "gsm8k_qwen2.5-0.5b.yaml"), *composed]
-        args += ["--model.model_name_or_path", tiny_qwen2(work / "tiny-qwen2"), "--model.sampling.max_new_tokens", "4"]
+        args += ["--model.model_name_or_path", tiny_qwen2(work / "tiny-qwen2"), "--data.sampling.max_new_tokens", "4"]
         args += ["--data.task_kwargs", json.dumps(data), *SMALL_ROUND, "--data.micro_batch_size", "4"]
         if configs:
             args += ["--trainer.logger", "false"]
@@ -200,11 +201,31 @@ def test_every_entry_names_a_shipped_config():
     assert not set(RUNS) - set(SHIPPED), f"RUNS names configs that no longer exist: {sorted(set(RUNS) - set(SHIPPED))}"
 
 
+def run_of(name: str):
+    """How ``configs/<name>`` runs: its ``RUNS`` entry; an engine config (``engines/``) composed with the quickstart."""
+    if name in RUNS:
+        return RUNS[name]
+    if name.startswith("engines/"):
+        return quickstart_with(name)
+    return None
+
+
+def engine_package(name: str) -> str | None:
+    """The optional package that the engine ``configs/<name>`` selects needs (vLLM's), if any."""
+    config = yaml.safe_load((CONFIGS / name).read_text()) or {}
+    engine = (config.get("data") or {}).get("engine")
+    return "vllm" if engine is not None and "vllm" in json.dumps(engine).lower() else None
+
+
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_config_runs(name, scratch):
-    if name not in RUNS:
+    run = run_of(name)
+    if run is None:
         pytest.fail(f"configs/{name} is run by no test: add how to run it (one round, CPU) to RUNS in {__file__}")
-    cli_class, args = RUNS[name](scratch)
+    package = engine_package(name)
+    if package is not None:
+        pytest.importorskip(package, reason=f"configs/{name} selects the {package} engine; {package} is not installed")
+    cli_class, args = run(scratch)
     cli = cli_class(args=["fit", *args, *ONE_ROUND, *QUIET])
     trainer = cli.trainer
     assert trainer.current_epoch == 1 and trainer.global_step >= 1  # one round (epoch), at least one update
@@ -248,7 +269,7 @@ def test_folders_set_explicitly_stay_where_they_are(tmp_path):
         callbacks=[
             entry("grpo_lightning.callbacks.RoundCheckpoint", dirpath=None),
             entry("lightning.pytorch.callbacks.ModelCheckpoint", dirpath="elsewhere"),
-            entry("grpo_lightning.sft.SaveHFModel", dirpath="hf"),
+            entry("grpo_lightning.callbacks.SaveHFModel", dirpath="hf"),
         ],
         logger=[
             entry("grpo_lightning.callbacks.GRPOWandbLogger", save_dir="."),
@@ -294,13 +315,12 @@ def test_precision_clipping_and_lora_train(precision, clipping, lora, tmp_path):
         from grpo_lightning.lora import LoraConfig
 
         lora_config = LoraConfig(r=4, alpha=8)
-    module = GRPOModule(
-        tiny_model=TINY,
+    module = GRPOModule(tiny_model=TINY, objective=ObjectiveConfig(beta=0.04), lr=1e-3, lora=lora_config)
+    data = RolloutDataModule(
         rewards=[RewardSpec("test_configs_checksum")],
         sampling=SamplingConfig(group_size=4, max_new_tokens=3),
-        objective=ObjectiveConfig(beta=0.04),
-        lr=1e-3,
-        lora=lora_config,
+        prompts_per_round=2,
+        task_kwargs={"test_size": 50},
     )
     settings = {"precision": precision}
     if precision == "16-mixed":
@@ -310,7 +330,7 @@ def test_precision_clipping_and_lora_train(precision, clipping, lora, tmp_path):
     trainer = quiet_trainer(tmp_path, max_epochs=1, **settings)
     module.configure_model()
     before = [p.detach().clone() for p in module.policy.parameters() if p.requires_grad]
-    trainer.fit(module, datamodule=RolloutDataModule(prompts_per_round=2, task_kwargs={"test_size": 50}))
+    trainer.fit(module, datamodule=data)
     after = [p.detach() for p in module.policy.parameters() if p.requires_grad]
     assert trainer.global_step == 1 and module.nonfinite.total == 0
     assert all(torch.isfinite(p).all() for p in after)

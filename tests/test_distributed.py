@@ -2,8 +2,8 @@
 
 One ``torchrun --nproc_per_node=2`` launch of this file (``worker``) runs every 2-process scenario and writes its
 results to a folder; the tests check them against each other and against a single-process run of this process.
-Equivalence runs use ``FixedRolloutModule``: completions are a fixed function of the prompt text, so one process
-with 4 prompts per round and two with 2 each train on the same rollout.
+Equivalence runs sample with ``FixedRolloutEngine``: completions are a fixed function of the prompt's tokens, so
+one process with 4 prompts per round and two with 2 each train on the same rollout (``SGDModule`` updates it).
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.cli import TRAINER_DEFAULTS
+from grpo_lightning.config import AdvantageConfig
+from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams
 from grpo_lightning.lora import LoraConfig
 from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
 from grpo_lightning.rewards import RewardSpec, register
-from grpo_lightning.rollout.generation import Completions
 from grpo_lightning.strategies import FSDP2Strategy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,7 @@ WORLD, GROUP, PROMPTS = 2, 4, 4  # PROMPTS per round in all, split over the rank
 # token-level one for dapo, per completion for grpo, a constant for dr_grpo), with truncated completions emptied
 # out of the loss (their rows count as 0), and advantages scaled by the std of the whole batch; micro-batches with
 # gradient accumulation on top.
-EQUIVALENCE = {"advantage_scale": "batch", "mask_truncated_completions": True}
+EQUIVALENCE = {"advantage": AdvantageConfig(scale="batch"), "mask_truncated_completions": True}
 EQUIVALENT_LOSSES = ("dapo", "grpo", "dr_grpo")
 SGD_LR = 0.5
 # A collective that one rank never joins fails the worker after this (gloo's "Timed out"), instead of hanging it.
@@ -53,29 +54,47 @@ def checksum_reward(prompts: list[str], completions: list[str], **_: Any) -> lis
     return [float(sum(map(ord, c)) % 5) for c in completions]
 
 
-class FixedRolloutModule(GRPOModule):
-    """``generate`` returns completions drawn from a generator seeded by the prompt's text, whatever the rank."""
+class FixedRolloutEngine(RolloutEngine):
+    """Completions drawn from a generator seeded by the prompt's tokens, whatever the rank or the batch."""
 
-    def generate(self, prompts: list[str], *, greedy: bool = False, return_logprobs: bool = False) -> Completions:
+    name = "fixed"
+
+    def setup(self, policy: torch.nn.Module, tokenizer: Any) -> None:
+        super().setup(policy, tokenizer)
+        self.vocab_size = len(tokenizer)
+
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: SamplingParams,
+        *,
+        generator: torch.Generator | None = None,
+        return_logprobs: bool = False,
+    ) -> Completions:
         # No sampler log-probs (Completions.logprobs stays None): π_old is then recomputed when μ > 1.
-        group, length = (1 if greedy else self.sampling.group_size), self.sampling.max_new_tokens
-        prompt_ids, prompt_mask = self.encode_prompts(prompts)
+        group, length = (1 if params.greedy else params.group_size), params.max_new_tokens
         ids, masks = [], []
-        for prompt in prompts:
-            generator = torch.Generator().manual_seed(zlib.crc32(prompt.encode()))
-            tokens = torch.randint(3, len(self.tokenizer), (group, length), generator=generator)
-            lengths = torch.randint(1, length + 1, (group,), generator=generator)
+        for row, mask_row in zip(prompt_ids.tolist(), prompt_mask.tolist()):
+            prompt = [token for token, keep in zip(row, mask_row) if keep]  # the padding-free prompt
+            seeded = torch.Generator().manual_seed(zlib.crc32(json.dumps(prompt).encode()))
+            tokens = torch.randint(3, self.vocab_size, (group, length), generator=seeded)
+            lengths = torch.randint(1, length + 1, (group,), generator=seeded)
             mask = (torch.arange(length)[None] < lengths[:, None]).long()
-            ids.append(tokens.masked_fill(mask == 0, self.tokenizer.pad_token_id))
+            ids.append(tokens.masked_fill(mask == 0, self.pad_token_id))
             masks.append(mask)
-        masks = torch.cat(masks).to(self.device)
+        masks = torch.cat(masks).to(prompt_ids.device)
         return Completions(
             prompt_ids=prompt_ids.repeat_interleave(group, 0),
             prompt_mask=prompt_mask.repeat_interleave(group, 0),
-            completion_ids=torch.cat(ids).to(self.device),
+            completion_ids=torch.cat(ids).to(prompt_ids.device),
             completion_mask=masks,
             truncated=masks.sum(-1) == length,
         )
+
+
+class SGDModule(GRPOModule):
+    """GRPO with plain SGD (the equivalence runs)."""
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         # Plain SGD: the update is proportional to the gradient, so a gradient off by a constant factor (a count
@@ -121,16 +140,17 @@ def make_run(
     """A tiny GRPO run: ``PROMPTS`` prompts per round over all ranks, G=4, one optimizer step of 2 micro-batches."""
     per_rank = PROMPTS // devices
     rollout = per_rank * GROUP
-    module = (FixedRolloutModule if fixed else GRPOModule)(
+    module = (SGDModule if fixed else GRPOModule)(
         model_name_or_path=model_dir,
-        rewards=[RewardSpec("dist_checksum")],
-        sampling=SamplingConfig(group_size=GROUP, max_new_tokens=4),
-        objective=ObjectiveConfig(beta=0.04, **({**EQUIVALENCE, "loss_type": loss_type} if fixed else {})),
+        objective=ObjectiveConfig(beta=0.04, **({"loss_type": loss_type} if fixed else {})),
         lr=1e-3,
         logprob_chunk_size=5,  # several chunks per micro-batch, some spanning rows
         **module_options,
     )
     data = RolloutDataModule(
+        rewards=[RewardSpec("dist_checksum")],
+        sampling=SamplingConfig(group_size=GROUP, max_new_tokens=4),
+        **({**EQUIVALENCE, "engine": FixedRolloutEngine()} if fixed else {}),
         prompts_per_round=per_rank,
         mini_batch_size=rollout,
         micro_batch_size=rollout // 2,
