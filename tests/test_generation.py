@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_lightning.rollout.generation import completion_logprobs, filter_logits, sample_completions, token_logprobs
+from grpo_lightning.engines.lean import sample_completions
+from grpo_lightning.engines.sampling import filter_logits
+from grpo_lightning.models.logprobs import completion_logprobs, token_logprobs
 
 
 def encode(tokenizer, prompts):

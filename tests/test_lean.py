@@ -22,16 +22,10 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from grpo_lightning.models.lean import (
-    LeanDecoder,
-    Projection,
-    cpu_weight_packer,
-    lean_unsupported,
-    prompt_groups,
-    shared_prompt_hidden,
-)
-from grpo_lightning.rollout.generation import sample_completions
-from grpo_lightning.rollout.logprobs import completion_logprobs, token_positions
+from grpo_lightning.engines.lean import sample_completions
+from grpo_lightning.models.lean import Projection, lean_unsupported, prompt_groups, shared_prompt_hidden
+from grpo_lightning.models.lean_decoder import LeanDecoder, cpu_weight_packer
+from grpo_lightning.models.logprobs import completion_logprobs, token_positions
 
 SIZE = dict(
     vocab_size=40,

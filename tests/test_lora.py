@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY, quiet_trainer
+from memory_probe import update_peak_bytes
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.config import ConfigError
 from grpo_lightning.lora import LoraConfig
-from grpo_lightning.memory import update_peak_bytes
+from grpo_lightning.models.logprobs import completion_logprobs
 from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
 from grpo_lightning.rewards import RewardSpec, register
-from grpo_lightning.rollout.generation import completion_logprobs
 
 pytest.importorskip("peft", reason="LoRA needs PEFT: pip install 'grpo_lightning[lora]'")
 
@@ -34,8 +34,6 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[GRPOModule, Rollo
     tokenizer.save_pretrained(path)
     module = GRPOModule(
         model_name_or_path=str(path),
-        rewards=[RewardSpec("lora_checksum")],
-        sampling=SamplingConfig(group_size=4, max_new_tokens=6),
         objective=ObjectiveConfig(beta=0.1),
         lr=3e-2,
         lora=LoraConfig(r=4, alpha=8),
@@ -43,7 +41,13 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[GRPOModule, Rollo
     )
     module.configure_model()
     before = {k: v.clone() for k, v in module.policy.state_dict().items()}
-    data = RolloutDataModule(prompts_per_round=4, val_limit=4, task_kwargs={"test_size": 50})
+    data = RolloutDataModule(
+        rewards=[RewardSpec("lora_checksum")],
+        sampling=SamplingConfig(group_size=4, max_new_tokens=6),
+        prompts_per_round=4,
+        val_limit=4,
+        task_kwargs={"test_size": 50},
+    )
     trainer = quiet_trainer(
         tmp_path_factory.mktemp("lora-run"),
         max_epochs=2,
@@ -66,7 +70,7 @@ def test_only_adapters_change_and_no_reference_copy(trained) -> None:
 def test_reference_logprobs_are_the_base_models(trained) -> None:
     module, data, _, base_path = trained
     batch = data.last_rollout
-    _, ref = module.rollout_logprobs(batch, record_old=False)
+    _, ref = module.rollout_logprobs(batch, old=False, ref=True)
     assert module.policy.training  # restored after the adapter-disabled pass
     inputs = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
     base = AutoModelForCausalLM.from_pretrained(base_path).eval()

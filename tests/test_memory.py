@@ -8,15 +8,16 @@ import pytest
 import torch
 from conftest import TINY
 from lightning import Callback, Trainer
+from memory_probe import peak_bytes
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.cli import TRAINER_DEFAULTS
-from grpo_lightning.memory import peak_bytes
+from grpo_lightning.engines.lean import sample_completions
+from grpo_lightning.models.logprobs import completion_logprobs
 from grpo_lightning.models.tiny import build_char_tokenizer
 from grpo_lightning.rewards import RewardSpec, register
-from grpo_lightning.rollout.generation import completion_logprobs, sample_completions
 
 
 @register("memory_checksum")
@@ -120,15 +121,16 @@ class Losses(Callback):
 
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
 def test_bf16_rounds_on_cpu(tmp_path, precision: str) -> None:
-    module = GRPOModule(
-        tiny_model=TINY,
+    module = GRPOModule(tiny_model=TINY, objective=ObjectiveConfig(beta=0.04), lr=1e-3, gradient_checkpointing=True)
+    data = RolloutDataModule(
         rewards=[RewardSpec("memory_checksum")],
         sampling=SamplingConfig(group_size=4, max_new_tokens=6),
-        objective=ObjectiveConfig(beta=0.04, num_iterations=2),  # old and reference log-probs at rollout time
-        lr=1e-3,
-        gradient_checkpointing=True,
+        num_iterations=2,  # with β > 0: old and reference log-probs at rollout time
+        prompts_per_round=2,
+        mini_batch_size=8,
+        val_limit=4,
+        task_kwargs={"test_size": 50},
     )
-    data = RolloutDataModule(prompts_per_round=2, mini_batch_size=8, val_limit=4, task_kwargs={"test_size": 50})
     losses = Losses()
     trainer = Trainer(
         **TRAINER_DEFAULTS,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -10,9 +12,11 @@ from conftest import TINY, quiet_trainer
 from lightning import Callback
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
-from grpo_lightning.config import ConfigError
+from grpo_lightning.config import AdvantageConfig, ConfigError
 from grpo_lightning.rewards import RewardSpec, register
+from grpo_lightning.rollout import datamodule as datamodule_module
 from grpo_lightning.rollout.batch import RolloutBatch
+from grpo_lightning.rollout.round import compute_advantages, run_round
 
 
 @register("test_length")
@@ -39,15 +43,18 @@ class Recorder(Callback):
         self.positions.append(trainer.datamodule.position)
 
 
+def attach(module, data, trainer):
+    """``data`` attached to ``trainer`` and ``module`` as ``fit`` would attach them, without running anything."""
+    data.trainer = trainer
+    trainer.strategy.connect(module)
+
+
 def make(tmp_path, *, mu=1, beta=0.04, prompts=4, group=4, mini=None, micro=None, accumulate=1, epochs=2):
-    module = GRPOModule(
-        tiny_model=TINY,
+    module = GRPOModule(tiny_model=TINY, objective=ObjectiveConfig(beta=beta), lr=1e-3)
+    data = RolloutDataModule(
         rewards=[RewardSpec("test_length")],
         sampling=SamplingConfig(group_size=group, max_new_tokens=4),
-        objective=ObjectiveConfig(beta=beta, num_iterations=mu),
-        lr=1e-3,
-    )
-    data = RolloutDataModule(
+        num_iterations=mu,
         prompts_per_round=prompts,
         mini_batch_size=mini,
         micro_batch_size=micro,
@@ -104,14 +111,17 @@ class RatioRecorder(Callback):
 def test_every_step_after_the_first_of_a_round_is_clipped_against_pi_old(tmp_path, old_logprobs):
     """μ = 1 with two mini-batches per round: the second step's policy is not the one that sampled, so its ratio
     must move off 1 (and get clipped) instead of being taken against the detached current policy."""
-    module = GRPOModule(
-        tiny_model=TINY,
+    module = GRPOModule(tiny_model=TINY, objective=ObjectiveConfig(beta=0.0), lr=3e-2)
+    data = RolloutDataModule(
         rewards=[RewardSpec("test_length")],
         sampling=SamplingConfig(group_size=4, max_new_tokens=6, temperature=0.7),
-        objective=ObjectiveConfig(beta=0.0, num_iterations=1, old_logprobs=old_logprobs),
-        lr=3e-2,
+        num_iterations=1,
+        old_logprobs=old_logprobs,
+        prompts_per_round=4,
+        mini_batch_size=8,
+        val_limit=8,
+        task_kwargs={"test_size": 50},
     )
-    data = RolloutDataModule(prompts_per_round=4, mini_batch_size=8, val_limit=8, task_kwargs={"test_size": 50})
     recorder = RatioRecorder()
     trainer = quiet_trainer(tmp_path, max_epochs=1, callbacks=[recorder])
     trainer.fit(module, datamodule=data)
@@ -136,8 +146,7 @@ def test_training_changes_policy_but_not_reference(tmp_path):
 
 def test_prompt_stream_is_a_seeded_permutation_without_repeats(tmp_path):
     module, data, trainer, _ = make(tmp_path, epochs=1)
-    data.trainer = trainer
-    trainer.strategy.connect(module)
+    attach(module, data, trainer)
     data.setup("fit")
     seen = []
     size = len(data.train_data)
@@ -159,32 +168,62 @@ def test_batch_sizes_that_do_not_divide_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("choice", ["auto", "sampler", "recompute"])
-def test_old_logprobs_from_the_sampler_equal_a_recomputed_pass(choice):
+def test_old_logprobs_from_the_sampler_equal_a_recomputed_pass(tmp_path, choice):
     """μ > 1: π_old's log-probs are the sampler's own (no extra forward) unless recompute is asked for; either
     way they are the rollout policy's log-probs of the sampled tokens."""
-    from dataclasses import replace
-
-    from grpo_lightning.rollout.round import collect_rollout
-
-    module = GRPOModule(
-        tiny_model=TINY,
+    module = GRPOModule(tiny_model=TINY)
+    # DAPO's dynamic sampling concatenates several generations (prompts of other lengths): still aligned.
+    data = RolloutDataModule(
         rewards=[RewardSpec("test_gated_digits")],
         sampling=SamplingConfig(group_size=4, max_new_tokens=6, temperature=0.7),
-        objective=ObjectiveConfig(num_iterations=2, old_logprobs=choice),
+        num_iterations=2,
+        old_logprobs=choice,
+        prompts_per_round=2,
+        dynamic_sampling=True,
+        max_sampling_rounds=4,
     )
+    attach(module, data, quiet_trainer(tmp_path))
     module.configure_model()
-    assert module.old_logprobs_from_sampler(record_old=True) is (choice != "recompute")
-    prompts = iter([["1+2=", "33+4="], ["7+8=", "123+4="], ["9+9=", "5+55="], ["1+1=", "2+2="]])
-    # DAPO's dynamic sampling concatenates several generations (prompts of other lengths): still aligned.
-    batch = collect_rollout(
-        module, lambda: {"prompt": next(prompts)}, optimizer_steps=2, dynamic_sampling=True, max_sampling_rounds=4
-    )
+    engine = data.engine.get(module)
+    asked = {"engine": [], "old": []}  # what the round asked of the engine (its log-probs) and of the module (π_old)
+    generate = engine.generate
+
+    def recording_generate(*args, return_logprobs=False, **kwargs):
+        asked["engine"].append(return_logprobs)
+        return generate(*args, return_logprobs=return_logprobs, **kwargs)
+
+    def recording_logprobs(batch, *, old, ref):
+        asked["old"].append(old)
+        return module.rollout_logprobs(batch, old=old, ref=ref)
+
+    engine.generate = recording_generate
+    settings = data.round_settings()
+    assert settings.optimizer_steps == 2
+
+    def round_of(prompt_lists, settings):
+        prompts = iter(prompt_lists)
+        for calls in asked.values():
+            calls.clear()
+        return run_round(
+            lambda: {"prompt": next(prompts)},
+            engine=engine,
+            encoder=data.encoder(),
+            scorer=data.scorer,
+            logprobs=recording_logprobs,
+            settings=settings,
+            generator=data.sampling_generator(module.device),
+        )
+
+    batch = round_of([["1+2=", "33+4="], ["7+8=", "123+4="], ["9+9=", "5+55="], ["1+1=", "2+2="]], settings)
     assert batch.metrics["rollout/sampling_rounds"] >= 2  # rows from several generations
-    recomputed, _ = module.rollout_logprobs(replace(batch, old_logprobs=None), record_old=True)
+    from_sampler = choice != "recompute"
+    assert asked["engine"] == [from_sampler] * len(asked["engine"]) and asked["old"] == [not from_sampler]
+    recomputed, _ = module.rollout_logprobs(batch, old=True, ref=False)
     torch.testing.assert_close(batch.old_logprobs, recomputed, atol=1e-5, rtol=1e-5)
     # A round of one optimizer step needs no π_old, whatever μ says.
-    assert not module.old_logprobs_from_sampler(record_old=False)
-    assert collect_rollout(module, lambda: {"prompt": ["5+5="]}, optimizer_steps=1).old_logprobs is None
+    one_step = replace(settings, optimizer_steps=1, dynamic_sampling=False)
+    assert round_of([["5+5="]], one_step).old_logprobs is None
+    assert asked["engine"] == [False] and asked["old"] == [False]
 
 
 def test_micro_batches_carry_the_token_positions_and_prompt_groups_of_their_rows():
@@ -230,17 +269,20 @@ class SGDModule(GRPOModule):
 def one_step_update(tmp_path, loss_type: str, micro: int) -> tuple[torch.Tensor, RolloutBatch]:
     """The weight change of one round of one optimizer step over a 16-row rollout, in micro-batches of ``micro``."""
     torch.manual_seed(0)
-    module = SGDModule(
-        tiny_model=TINY,
-        rewards=[RewardSpec("test_length")],
-        sampling=SamplingConfig(group_size=4, max_new_tokens=5, temperature=1.5),
-        objective=ObjectiveConfig(beta=0.04, loss_type=loss_type, mask_truncated_completions=True),
-    )
+    module = SGDModule(tiny_model=TINY, objective=ObjectiveConfig(beta=0.04, loss_type=loss_type))
     module.configure_model()
     with torch.no_grad():  # a random model almost never ends a completion: make EOS likely in some contexts
         module.policy.get_output_embeddings().weight[module.tokenizer.eos_token_id] *= 100
     before = torch.cat([p.detach().flatten().clone() for p in module.policy.parameters()])
-    data = RolloutDataModule(prompts_per_round=4, micro_batch_size=micro, val_limit=8, task_kwargs={"test_size": 50})
+    data = RolloutDataModule(
+        rewards=[RewardSpec("test_length")],
+        sampling=SamplingConfig(group_size=4, max_new_tokens=5, temperature=1.5),
+        mask_truncated_completions=True,
+        prompts_per_round=4,
+        micro_batch_size=micro,
+        val_limit=8,
+        task_kwargs={"test_size": 50},
+    )
     trainer = quiet_trainer(tmp_path, max_epochs=1, accumulate_grad_batches=16 // micro)
     trainer.fit(module, datamodule=data)
     after = torch.cat([p.detach().flatten() for p in module.policy.parameters()])
@@ -263,41 +305,61 @@ def test_update_with_truncated_rows_does_not_depend_on_the_micro_batch_size(tmp_
 
 
 @pytest.mark.parametrize("std,expected", [("population", 3**0.5), ("sample", 1.5)])
-def test_advantage_std_setting_reaches_the_round(std, expected):
-    """model.objective.advantage_std chooses the std of the round's advantages (1/0/0/0 at G = 4)."""
-    from types import SimpleNamespace
-
-    from grpo_lightning.rollout.round import compute_advantages
-
-    module = SimpleNamespace(
-        objective=ObjectiveConfig(advantage_std=std, advantage_eps=1e-12), sampling=SamplingConfig(group_size=4)
+def test_advantage_std_setting_reaches_the_round(tmp_path, std, expected):
+    """data.advantage.std chooses the std of the round's advantages (1/0/0/0 at G = 4)."""
+    module = GRPOModule(tiny_model=TINY)
+    data = RolloutDataModule(
+        sampling=SamplingConfig(group_size=4), advantage=AdvantageConfig(std=std, eps=1e-12), prompts_per_round=1
     )
+    attach(module, data, quiet_trainer(tmp_path))
+    module.configure_model()
     batch = SimpleNamespace(
         rewards=torch.tensor([1.0, 0.0, 0.0, 0.0]), reward_columns={"r": [1.0, 0.0, 0.0, 0.0]}, step_rewards=None
     )
-    advantages = compute_advantages(batch, module, None)
+    advantages = compute_advantages(batch, data.round_settings(), None)
     assert advantages[0].item() == pytest.approx(expected, rel=1e-6)
 
 
 def test_advantage_std_is_checked():
-    with pytest.raises(ConfigError, match="advantage_std"):
-        ObjectiveConfig(advantage_std="bessel")
+    with pytest.raises(ConfigError, match="data.advantage.std"):
+        AdvantageConfig(std="bessel")
 
 
 class TwoRanks:
-    """Two datamodules standing for the two ranks of one DDP run; ``all_gather`` collects their positions."""
+    """Two datamodules standing for the two ranks of one DDP run. ``state_dicts`` calls every rank's
+    ``state_dict`` at once (one thread per rank), as Lightning does on every rank, and ``gather_per_rank`` (what the
+    datamodule collects the ranks' states with) exchanges the values the ranks give it."""
 
     def __init__(self, data_factory):
         self.ranks = [data_factory() for _ in range(2)]
         for rank, data in enumerate(self.ranks):
-            strategy = SimpleNamespace(all_gather=self.all_gather, root_device=torch.device("cpu"))
+            strategy = SimpleNamespace(root_device=torch.device("cpu"))
             data.trainer = SimpleNamespace(world_size=2, global_rank=rank, strategy=strategy)
+        self.barrier, self.values = threading.Barrier(2, timeout=30), [None, None]
 
-    def all_gather(self, value):
-        return torch.stack([torch.tensor(data.position) for data in self.ranks])
+    def gather_per_rank(self, trainer, value):
+        self.values[trainer.global_rank] = value
+        self.barrier.wait()
+        gathered = list(self.values)
+        self.barrier.wait()
+        return gathered
+
+    def state_dicts(self, monkeypatch):
+        monkeypatch.setattr(datamodule_module, "gather_per_rank", self.gather_per_rank)
+        states = [None, None]
+
+        def save(rank):
+            states[rank] = self.ranks[rank].state_dict()
+
+        threads = [threading.Thread(target=save, args=(rank,)) for rank in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return states
 
 
-def test_data_parallel_resume_continues_every_ranks_prompt_stream():
+def test_data_parallel_resume_continues_every_ranks_prompt_stream(monkeypatch):
     """Dynamic sampling lets each rank refill on its own: rank 1 draws three times in a round where rank 0 draws
     once. A resume must continue each rank's own stream: no rank re-draws a prompt it trained on."""
     from datasets import Dataset
@@ -313,8 +375,8 @@ def test_data_parallel_resume_continues_every_ranks_prompt_stream():
         for _ in range(draws):
             drawn[rank] += run.ranks[rank].next_prompts()["prompt"]
     # Lightning saves rank 0's state_dict (computed on every rank: the positions are gathered).
-    states = [data.state_dict() for data in run.ranks]
-    assert states[0]["positions"] == [4, 12]
+    states = run.state_dicts(monkeypatch)
+    assert states[0]["positions"] == states[1]["positions"] == [4, 12]
     uninterrupted = [run.ranks[rank].next_prompts()["prompt"] for rank in (0, 1)]
 
     resumed = TwoRanks(data_factory)

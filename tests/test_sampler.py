@@ -14,7 +14,9 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from grpo_lightning.rollout.generation import completion_logprobs, filter_logits, sample_completions, sample_next
+from grpo_lightning.engines.lean import sample_completions
+from grpo_lightning.engines.sampling import filter_logits, sample_next
+from grpo_lightning.models.logprobs import completion_logprobs
 
 # Distinct values (no ties, so top-k/top-p keep the same set whatever the sort order), none at a top-p boundary.
 LOGITS = torch.tensor([2.0, -1.0, 0.5, 3.1, 1.2, -0.3, 0.0, 2.6, -2.2, 0.9])

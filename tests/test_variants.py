@@ -12,9 +12,9 @@ from lightning import Callback
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.callbacks.kl import KLController, ReferenceSync, adaptive_beta
 from grpo_lightning.cli import GRPOCLI
+from grpo_lightning.engines import Completions, RolloutEngine
 from grpo_lightning.models.tiny import build_char_tokenizer
 from grpo_lightning.rewards import RewardSpec, register
-from grpo_lightning.rollout.generation import Completions
 from grpo_lightning.rollout.steps import step_token_ends
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,19 +46,22 @@ def fit(module, data, epochs=1, callbacks=(), tmp_path=None):
     return trainer
 
 
-def tiny_module(rewards, **objective):
-    return GRPOModule(
-        tiny_model=TINY,
-        rewards=[RewardSpec(r) for r in rewards],
-        sampling=SamplingConfig(group_size=4, max_new_tokens=6),
-        objective=ObjectiveConfig(**objective),
-        lr=1e-3,
+def tiny_module(**objective):
+    return GRPOModule(tiny_model=TINY, objective=ObjectiveConfig(**objective), lr=1e-3)
+
+
+def tiny_data(rewards, **settings):
+    """A DataModule with the rewards ``rewards`` and G = 4 completions of at most 6 tokens."""
+    return RolloutDataModule(
+        rewards=[RewardSpec(r) for r in rewards], sampling=SamplingConfig(group_size=4, max_new_tokens=6), **settings
     )
 
 
 def test_dynamic_sampling_keeps_only_informative_groups(tmp_path):
-    module = tiny_module(["test_even_a_length"], beta=0.0)
-    data = RolloutDataModule(prompts_per_round=4, dynamic_sampling=True, max_sampling_rounds=8, val_split=None)
+    module = tiny_module(beta=0.0)
+    data = tiny_data(
+        ["test_even_a_length"], prompts_per_round=4, dynamic_sampling=True, max_sampling_rounds=8, val_split=None
+    )
     fit(module, data, tmp_path=tmp_path)
     rollout = data.last_rollout
     assert len(rollout) == 16
@@ -70,8 +73,10 @@ def test_dynamic_sampling_keeps_only_informative_groups(tmp_path):
 
 
 def test_dynamic_sampling_cap_tops_up_with_uninformative_groups(tmp_path):
-    module = tiny_module(["test_even_a_length"], beta=0.0)
-    data = RolloutDataModule(prompts_per_round=8, dynamic_sampling=True, max_sampling_rounds=1, val_split=None)
+    module = tiny_module(beta=0.0)
+    data = tiny_data(
+        ["test_even_a_length"], prompts_per_round=8, dynamic_sampling=True, max_sampling_rounds=1, val_split=None
+    )
     fit(module, data, tmp_path=tmp_path)
     assert len(data.last_rollout) == 32  # the size never changes (ranks stay in step)
     assert data.last_rollout.metrics["rollout/sampling_rounds"] == 1
@@ -91,36 +96,44 @@ def test_step_token_ends_on_a_hand_example():
     assert ends.tolist() == [[1, 4, 7], [2, -1, -1]]
 
 
-def fixed_generate(module: GRPOModule, texts: list[str], width: int):
-    """A stand-in for ``module.generate`` that "samples" ``texts`` for every prompt's group: each ended by EOS, or,
-    from ``width`` characters on, cut there without one (truncated by the length limit)."""
-    tok = module.tokenizer
+class FixedEngine(RolloutEngine):
+    """An engine that "samples" ``texts`` as every prompt's group: each ended by EOS, or, from ``width`` characters
+    on, cut there without one (truncated by the length limit)."""
 
-    def generate(prompts, *, greedy=False, return_logprobs=False):
-        prompt_ids, prompt_mask = module.encode_prompts(prompts)
-        rows = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts * len(prompts)]
+    name = "fixed"
+
+    def __init__(self, texts: list[str], width: int) -> None:
+        super().__init__()
+        self.texts, self.width = texts, width
+
+    def setup(self, policy, tokenizer) -> None:  # noqa: ANN001
+        super().setup(policy, tokenizer)
+        self.tokenizer = tokenizer
+
+    def generate(self, prompt_ids, prompt_mask, params, *, generator=None, return_logprobs=False):  # noqa: ANN001
+        tok, width, group = self.tokenizer, self.width, len(self.texts)
+        assert params.group_size == group
+        texts = self.texts * prompt_ids.size(0)
+        rows = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
         truncated = torch.tensor([len(row) > width for row in rows])
         rows = [row[:width] for row in rows]
         ids = torch.full((len(rows), width), tok.pad_token_id)
         mask = torch.zeros_like(ids)
         for i, row in enumerate(rows):
             ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
-        group = len(texts)
         return Completions(
             prompt_ids.repeat_interleave(group, 0), prompt_mask.repeat_interleave(group, 0), ids, mask, truncated
         )
 
-    return generate
 
-
-def test_process_rewards_give_per_token_advantages(tmp_path, monkeypatch):
+def test_process_rewards_give_per_token_advantages(tmp_path):
     """One group of completions chosen by hand, through the real round: steps are separated by "1" and scored by
     their length, each step's reward is normalised over all the steps of the group, and a token's advantage is the
     sum over the steps that end at or after it."""
-    module = tiny_module(["test_process"], beta=0.0)
+    module = tiny_module(beta=0.0)
     # Steps (lengths): "a|bcd" (1, 3), "abc" (3), "a" (1), "abc|d" (3, 1): mean 2, population std 1.
-    monkeypatch.setattr(module, "generate", fixed_generate(module, ["a1bcd", "abc", "a", "abc1d"], width=6))
-    data = RolloutDataModule(prompts_per_round=1, val_split=None)
+    engine = FixedEngine(["a1bcd", "abc", "a", "abc1d"], width=6)
+    data = tiny_data(["test_process"], engine=engine, prompts_per_round=1, val_split=None)
     fit(module, data, tmp_path=tmp_path)
     rollout = data.last_rollout
     nan = float("nan")
@@ -160,15 +173,14 @@ class FirstGradients(Callback):
 def first_step(tmp_path, texts: list[str], mask_truncated: bool):
     """One round of one optimizer step on the completions ``texts`` (max_new_tokens 6): rollout and gradients."""
     torch.manual_seed(0)
-    module = GRPOModule(
-        tiny_model=TINY,
-        rewards=[RewardSpec("test_variants_length")],
-        sampling=SamplingConfig(group_size=4, max_new_tokens=6),
-        objective=ObjectiveConfig(beta=0.0, loss_type="dapo", mask_truncated_completions=mask_truncated),
-        lr=1e-3,
+    module = tiny_module(beta=0.0, loss_type="dapo")
+    data = tiny_data(
+        ["test_variants_length"],
+        engine=FixedEngine(texts, width=6),
+        mask_truncated_completions=mask_truncated,
+        prompts_per_round=1,
+        val_split=None,
     )
-    module.generate = fixed_generate(module, texts, width=6)
-    data = RolloutDataModule(prompts_per_round=1, val_split=None)
     grads = FirstGradients()
     fit(module, data, callbacks=[grads], tmp_path=tmp_path)
     return data.last_rollout, grads.grads
@@ -204,33 +216,38 @@ def test_adaptive_beta_formula():
 
 
 def test_kl_controller_lowers_beta_when_kl_is_below_target(tmp_path):
-    module = tiny_module(["test_even_a_length"], beta=0.1)
+    module = tiny_module(beta=0.1)
     controller = KLController(target_kl=10.0, horizon=100)  # KL of a tiny run is far below 10
     fit(
         module,
-        RolloutDataModule(prompts_per_round=2, val_split=None),
+        tiny_data(["test_even_a_length"], prompts_per_round=2, val_split=None),
         epochs=2,
         callbacks=[controller],
         tmp_path=tmp_path,
     )
-    assert module.objective.beta == pytest.approx(0.1 * (1 - 0.2 * 8 / 100) ** 2)
-    assert controller.state_dict() == {"beta": module.objective.beta}
+    assert module.beta == pytest.approx(0.1 * (1 - 0.2 * 8 / 100) ** 2)
+    assert controller.state_dict() == {"beta": module.beta}
+    assert module.objective.beta == 0.1  # the starting value, as configured
 
 
 def test_reference_sync_moves_reference_towards_policy(tmp_path):
-    module = tiny_module(["test_even_a_length"], beta=0.1)
+    module = tiny_module(beta=0.1)
     module.configure_model()
     ref_before = [p.clone() for p in module.ref.parameters()]
     sync = ReferenceSync(sync_steps=1, alpha=0.5)
     trainer = fit(
-        module, RolloutDataModule(prompts_per_round=2, val_split=None), epochs=1, callbacks=[sync], tmp_path=tmp_path
+        module,
+        tiny_data(["test_even_a_length"], prompts_per_round=2, val_split=None),
+        epochs=1,
+        callbacks=[sync],
+        tmp_path=tmp_path,
     )
     assert trainer.global_step == 1
     for before, ref, policy in zip(ref_before, module.ref.parameters(), module.policy.parameters()):
         # Elementwise, one rounding per operation either way: the float32 defaults (atol 1e-5, rtol 1.3e-6) hold
         # on any machine (no reduction whose order could change).
         torch.testing.assert_close(ref, 0.5 * before + 0.5 * policy.detach())
-    assert module.ref_changes  # so checkpoints now keep the reference
+    assert module.reference_moved  # so checkpoints now keep the reference
 
 
 @pytest.mark.parametrize("recipe", ["grpo", "dapo", "dr_grpo", "gspo"])
@@ -256,3 +273,4 @@ def test_recipe_configs_compose_with_the_quickstart(recipe, monkeypatch):
         assert cli.model.objective.importance_sampling_level == "sequence"
     if recipe == "dapo":
         assert cli.datamodule.dynamic_sampling and cli.model.objective.epsilon_high == 0.28
+        assert cli.datamodule.mask_truncated_completions  # DAPO's overlong filtering (see the test above)
