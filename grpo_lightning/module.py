@@ -24,7 +24,6 @@ from grpo_lightning.guard import NonFiniteGuard, nonfinite_inputs, nonfinite_ter
 from grpo_lightning.lora import LoraConfig, is_peft_model
 from grpo_lightning.loss import grpo_loss
 from grpo_lightning.models.build import load_tokenizer
-from grpo_lightning.models.lean import PromptGroups
 from grpo_lightning.models.logprobs import DEFAULT_LOGPROB_CHUNK, completion_logprobs
 from grpo_lightning.models.policy import attached_trainer, build_policy, context_length, sampling_context
 from grpo_lightning.models.tiny import TinyModelConfig
@@ -213,8 +212,8 @@ class GRPOModule(LightningModule):
             chunk_size=self.hparams.logprob_chunk_size,
             lean=self.hparams.lean_forward,
             # Precomputed at rollout time (RolloutBatch.tensors): the lean forward then makes no device sync.
-            positions=batch.get("token_positions"),
-            groups=PromptGroups(batch["prompt_first"], batch["prompt_inverse"], batch["prompts_padded"]),
+            positions=batch["layout"].positions,
+            groups=batch["layout"].groups,
         )
         loss, metrics = grpo_loss(
             logprobs,

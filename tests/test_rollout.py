@@ -252,11 +252,11 @@ def test_micro_batches_carry_the_token_positions_and_prompt_groups_of_their_rows
         width = mb["completion_mask"].size(1)
         lengths = mb["completion_mask"].sum(1).tolist()
         expected = [row * width + column for row, length in enumerate(lengths) for column in range(length)]
-        assert mb["token_positions"].tolist() == expected
-        first, inverse = mb["prompt_first"], mb["prompt_inverse"]
+        assert mb["layout"].positions.tolist() == expected
+        first, inverse = mb["layout"].groups.first, mb["layout"].groups.inverse
         assert torch.equal(mb["prompt_ids"][first][inverse], mb["prompt_ids"])
         assert torch.equal(mb["prompt_mask"][first][inverse], mb["prompt_mask"])
-        assert mb["prompts_padded"] == (not bool(mb["prompt_mask"].all()))
+        assert mb["layout"].groups.padded == (not bool(mb["prompt_mask"].all()))
 
 
 class SGDModule(GRPOModule):

@@ -12,13 +12,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from grpo_lightning.models.lean import PromptGroups, lean_unsupported, mask_positions, shared_prompt_hidden
+from grpo_lightning.models.lean import (
+    PromptGroups,
+    lean_unsupported,
+    mask_positions,
+    prompt_groups,
+    shared_prompt_hidden,
+)
 
 # Completion tokens whose full-vocabulary logits exist at once: 1024 × a 152k vocabulary in float32 is 0.6 GB,
 # whatever the batch size and completion length.
@@ -190,6 +196,22 @@ def _layer_logprobs(
         return logits / temperature if temperature != 1.0 else logits
 
     return _chunked(logits_of, hidden, labels, with_entropy, chunk_size)
+
+
+class LogprobLayout(NamedTuple):
+    """Where a micro-batch's completion tokens and distinct prompts are, found once at rollout time.
+
+    Finding them reads tensors on the host (a device sync); a training forward given them makes none. The rollout
+    computes one per micro-batch (``logprob_layout``) and the update passes it on to ``completion_logprobs``.
+    """
+
+    positions: Tensor  # ``token_positions(completion_mask)``
+    groups: PromptGroups  # ``prompt_groups(prompt_ids, prompt_mask)``
+
+
+def logprob_layout(prompt_ids: Tensor, prompt_mask: Tensor, completion_mask: Tensor) -> LogprobLayout:
+    """The ``LogprobLayout`` of a micro-batch."""
+    return LogprobLayout(token_positions(completion_mask), prompt_groups(prompt_ids, prompt_mask))
 
 
 def token_positions(completion_mask: Tensor) -> Tensor:

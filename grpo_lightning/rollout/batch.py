@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from grpo_lightning.models.lean import prompt_groups
-from grpo_lightning.models.logprobs import token_positions
+from grpo_lightning.models.logprobs import logprob_layout
 
 
 @dataclass
@@ -80,18 +79,15 @@ class RolloutBatch:
     def tensors(self, rows: Tensor) -> dict[str, Any]:
         """The loss inputs of ``rows``, trimmed to their longest completion.
 
-        Also what the update's forward would otherwise read from the masks, with a device sync each time: the
-        completion tokens' flat positions (``token_positions``) and the rows' distinct prompts (``prompt_first``,
-        ``prompt_inverse``, ``prompts_padded``: ``grpo_lightning.models.lean.PromptGroups``). Found here, at rollout
-        time, for every micro-batch of the μ passes, they leave the update's lean forward without host-device
-        round trips.
+        Also ``layout`` (``grpo_lightning.models.logprobs.LogprobLayout``): what the update's forward would otherwise
+        read from the masks, with a device sync each time. Found here, at rollout time, for every micro-batch of the
+        μ passes, it leaves the update's lean forward without host-device round trips.
         """
         mask = self.completion_mask[rows]
         keep = int(mask.sum(0).nonzero().max()) + 1 if bool(mask.any()) else 1
         loss_mask = self.completion_mask if self.loss_mask is None else self.loss_mask
         advantages = self.advantages[rows]
         prompt_ids, prompt_mask = self.prompt_ids[rows], self.prompt_mask[rows]
-        groups = prompt_groups(prompt_ids, prompt_mask)
         batch = {
             "prompt_ids": prompt_ids,
             "prompt_mask": prompt_mask,
@@ -99,10 +95,7 @@ class RolloutBatch:
             "completion_mask": mask[:, :keep],
             "loss_mask": loss_mask[rows, :keep],
             "advantages": advantages if advantages.dim() == 1 else advantages[:, :keep],
-            "token_positions": token_positions(mask[:, :keep]),
-            "prompt_first": groups.first,
-            "prompt_inverse": groups.inverse,
-            "prompts_padded": groups.padded,
+            "layout": logprob_layout(prompt_ids, prompt_mask, mask[:, :keep]),
             "temperature": self.temperature,
             "max_completion_length": self.max_new_tokens,
         }
