@@ -88,8 +88,16 @@ class ObjectiveConfig:
     loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = "grpo"
     importance_sampling_level: Literal["token", "sequence"] = "token"
     entropy_coef: float = 0.0
+    tis_cap: float | None = 2.0
+    """C of the truncated importance-sampling correction, used when the engine that sampled is not the trainer
+    (vLLM): each token's surrogate is weighted by min(π_old / π_engine, C); null = no correction (the mismatch is
+    still logged)."""
+    tis_level: Literal["token", "sequence"] = "token"
+    """``token``: a weight per token; ``sequence``: min(∏_t π_old / π_engine, C) for every token of a completion."""
 
     def __post_init__(self) -> None:
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ConfigError(f"model.objective.tis_cap must be > 0, or null for no correction (got {self.tis_cap})")
         if self.beta < 0:
             raise ConfigError(f"model.objective.beta must be >= 0 (got {self.beta})")
         if not 0 <= self.epsilon_low < 1:

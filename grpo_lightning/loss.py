@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["group_advantages", "process_advantages", "grpo_loss"]
+__all__ = ["group_advantages", "process_advantages", "grpo_loss", "truncated_importance_weights"]
 
 _SCALES = ("group", "batch", "none")
 _BASELINES = ("mean", "rloo")
@@ -205,6 +205,48 @@ def _aggregate(
     return total / mask.sum().clamp(min=1)  # bnpo
 
 
+def truncated_importance_weights(
+    old_logprobs: Tensor, engine_logprobs: Tensor, mask: Tensor, *, cap: float | None = 2.0, level: str = "token"
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Truncated importance-sampling weights ``[B, T]`` (no gradient) and mismatch metrics.
+
+    Args:
+        old_logprobs: ``[B, T]`` the trainer's log-probs of the sampling policy π_old.
+        engine_logprobs: ``[B, T]`` the engine's own log-probs of the same tokens (what it sampled from).
+        mask: ``[B, T]`` tokens that count.
+        cap: C, the truncation; ``None`` keeps the weights at 1 (the metrics are still computed).
+        level: ``"token"`` (one weight per token) or ``"sequence"`` (the product of a completion's token ratios).
+
+    Returns:
+        ``(weights, metrics)``; metrics (token means over ``mask``): ``mismatch_abs_logprob`` (mean
+        |log π_old − log π_engine|), ``mismatch_kl`` (KL(π_engine ‖ π_old), k3 estimator on the engine's samples),
+        ``tis_truncated_frac`` (share of tokens, or of completions at sequence level, whose ratio exceeds C) and
+        ``tis_weight_mean``.
+    """
+    _check_choice("tis level", level, _IS_LEVELS)
+    mask = mask.bool()
+    zero = torch.zeros_like(old_logprobs)
+    log_ratio = torch.where(mask, old_logprobs - engine_logprobs, zero).detach()
+    if level == "sequence":
+        row = log_ratio.sum(dim=1, keepdim=True).expand_as(log_ratio)
+        ratio = torch.exp(row)
+        counted = mask.any(dim=1)
+        truncated = (ratio[:, 0] > cap).to(ratio.dtype) if cap is not None else torch.zeros_like(ratio[:, 0])
+        truncated_frac = truncated[counted].mean() if counted.any() else ratio.new_zeros(())
+    else:
+        ratio = torch.exp(log_ratio)
+        truncated_frac = _masked_mean((ratio > cap).to(ratio.dtype), mask) if cap is not None else ratio.new_zeros(())
+    weights = torch.clamp(ratio, max=cap) if cap is not None else torch.ones_like(ratio)
+    weights = torch.where(mask, weights, zero)
+    metrics = {
+        "mismatch_abs_logprob": _masked_mean(log_ratio.abs(), mask),
+        "mismatch_kl": _masked_mean(torch.exp(log_ratio) - log_ratio - 1, mask),
+        "tis_truncated_frac": truncated_frac,
+        "tis_weight_mean": _masked_mean(weights, mask),
+    }
+    return weights, metrics
+
+
 def grpo_loss(
     logprobs: Tensor,
     old_logprobs: Tensor | None,
@@ -223,6 +265,9 @@ def grpo_loss(
     num_items: int | float | Tensor | None = None,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    engine_logprobs: Tensor | None = None,
+    tis_cap: float | None = 2.0,
+    tis_level: str = "token",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped GRPO surrogate loss (to minimise) and detached metrics.
 
@@ -244,6 +289,9 @@ def grpo_loss(
             tokens in this call.
         entropy: optional ``[B, T]`` per-token entropy; logged, and subtracted times ``entropy_coef``.
         entropy_coef: entropy bonus coefficient.
+        engine_logprobs: ``[B, T]`` the sampling engine's own log-probs, when it is not the trainer (vLLM): the
+            surrogate is then weighted by ``truncated_importance_weights`` (π_old = ``old_logprobs``, or the
+            detached current log-probs when ``None``), capped at ``tis_cap``, at ``tis_level``.
 
     Returns:
         ``(loss, metrics)``; metrics are detached scalars: ``pg_loss`` (surrogate only, same aggregation),
@@ -256,7 +304,13 @@ def grpo_loss(
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
     shape = logprobs.shape
-    others = {"old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs, "mask": mask, "entropy": entropy}
+    others = {
+        "old_logprobs": old_logprobs,
+        "ref_logprobs": ref_logprobs,
+        "mask": mask,
+        "entropy": entropy,
+        "engine_logprobs": engine_logprobs,
+    }
     for name, t in others.items():
         if t is not None and t.shape != shape:
             raise ValueError(f"{name} must have the shape of logprobs {tuple(shape)}, got {tuple(t.shape)}")
@@ -287,6 +341,12 @@ def grpo_loss(
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + eps_high)
     unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
     pg_per_token = -torch.min(unclipped * adv, clipped * adv)
+    tis_metrics: dict[str, Tensor] = {}
+    if engine_logprobs is not None:
+        weights, tis_metrics = truncated_importance_weights(
+            old_logprobs, engine_logprobs, mask, cap=tis_cap, level=tis_level
+        )
+        pg_per_token = pg_per_token * weights
     per_token = pg_per_token
 
     kl = None
@@ -322,4 +382,5 @@ def grpo_loss(
         metrics["clip_frac"] = metrics["clip_frac_low"] + metrics["clip_frac_high"]
         if entropy is not None:
             metrics["entropy"] = _masked_mean(entropy, mask)
+        metrics.update(tis_metrics)
     return loss, {k: v.detach() for k, v in metrics.items()}

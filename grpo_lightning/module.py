@@ -34,7 +34,15 @@ from grpo_lightning.validation import check_checkpoint_fits, check_ranges
 # hyperparameters must be allowed explicitly, or every resume fails to unpickle them.
 torch.serialization.add_safe_globals([TinyModelConfig, ObjectiveConfig, LoraConfig])
 
-_LOSS_OPTIONS = ("epsilon_low", "epsilon_high", "delta", "kl_estimator", "importance_sampling_level")
+_LOSS_OPTIONS = (
+    "epsilon_low",
+    "epsilon_high",
+    "delta",
+    "kl_estimator",
+    "importance_sampling_level",
+    "tis_cap",
+    "tis_level",
+)
 
 
 class GRPOModule(LightningModule):
@@ -227,6 +235,7 @@ class GRPOModule(LightningModule):
             beta=self.beta if self.has_reference else 0.0,
             entropy=entropy.detach() if entropy is not None and objective.entropy_coef == 0 else entropy,
             entropy_coef=objective.entropy_coef,
+            engine_logprobs=batch.get("engine_logprobs"),
             **{name: getattr(objective, name) for name in _LOSS_OPTIONS},
         )
         # Checked with the gradients before the optimizer step (one device sync per step, none per micro-batch);

@@ -60,7 +60,11 @@ class OldPolicySync(Callback):
         self.sync(trainer, pl_module)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        """Refuse a micro-batch that would train off-policy without π_old (see the module docstring)."""
+        """Refuse a micro-batch that would train off-policy without π_old (see the module docstring); at the round's
+        first micro-batch, let the engine release what it needs only to generate (vLLM's sleep mode)."""
+        handle = getattr(trainer.datamodule, "engine", None)
+        if batch_idx == 0 and isinstance(handle, EngineHandle) and handle.engine.is_setup:
+            handle.engine.offload()
         stepped = self._round_start_step is not None and trainer.global_step != self._round_start_step
         rollout_batch = isinstance(batch, dict) and "advantages" in batch  # not, e.g., an SFT batch
         if stepped and rollout_batch and batch.get("old_logprobs") is None:

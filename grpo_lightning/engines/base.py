@@ -111,6 +111,10 @@ class RolloutEngine(ABC):
         """Give the engine the policy's current weights (taken after optimizer step ``version``)."""
         self.weights_version = version
 
+    def offload(self) -> None:
+        """Called when the round's update starts: an engine may release memory it needs only to generate."""
+        return None
+
     def is_current(self, version: int) -> bool:
         """Whether the engine samples from the weights of optimizer step ``version``."""
         return self.shares_weights or self.weights_version == version

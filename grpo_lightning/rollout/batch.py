@@ -27,6 +27,9 @@ class RolloutBatch:
     advantages: Tensor | None = None  # [N] (or [N, T] for process rewards)
     old_logprobs: Tensor | None = None  # [N, T], only when the round has more than one optimizer step
     ref_logprobs: Tensor | None = None  # [N, T], only when β > 0
+    # [N, T] the engine's own log-probs of the sampled tokens: π_old when they are the trainer's; kept for the
+    # importance correction when the engine is not the trainer (vLLM); else None.
+    engine_logprobs: Tensor | None = None
     prompts: list[str] = field(default_factory=list)  # [N] texts, for logging and reward functions
     completions: list[str] = field(default_factory=list)
     reward_columns: dict[str, list[float | None]] = field(default_factory=dict)
@@ -103,6 +106,8 @@ class RolloutBatch:
             batch["old_logprobs"] = self.old_logprobs[rows, :keep]
         if self.ref_logprobs is not None:
             batch["ref_logprobs"] = self.ref_logprobs[rows, :keep]
+        if self.engine_logprobs is not None:
+            batch["engine_logprobs"] = self.engine_logprobs[rows, :keep]
         return batch
 
     def micro_batches(

@@ -228,12 +228,14 @@ class RolloutDataModule(LightningDataModule):
         module, trainer = self.policy_side, self.trainer
         full_precision = str(trainer.precision) in ("32-true", "32", "64-true")
         mini = self.mini_batch_size or self.rollout_size
+        engine = self.engine.get(module)
         return RoundSettings(
             sampling=self.sampling,
             advantage=self.advantage,
             optimizer_steps=self.num_iterations * (self.rollout_size // mini),
             old_logprobs=self.old_logprobs,
-            engine_logprobs_exact=full_precision and self.engine.get(module).logprobs_match_policy(module.policy),
+            engine_logprobs_exact=full_precision and engine.logprobs_match_policy(module.policy),
+            importance_correction=not engine.shares_weights,
             mask_truncated_completions=self.mask_truncated_completions,
             dynamic_sampling=self.dynamic_sampling,
             max_sampling_rounds=self.max_sampling_rounds,

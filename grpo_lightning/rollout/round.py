@@ -42,6 +42,9 @@ class RoundSettings:
     old_logprobs: Literal["auto", "sampler", "recompute"] = "auto"
     engine_logprobs_exact: bool = True
     """Whether the engine's sampled-token log-probs equal the trainer's (``auto`` then takes them as π_old)."""
+    importance_correction: bool = False
+    """Keep the engine's log-probs for the truncated importance-sampling correction (an engine that is not the
+    trainer: vLLM)."""
     mask_truncated_completions: bool = False
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 4
@@ -83,7 +86,7 @@ def run_round(
             scorer=scorer,
             params=settings.sampling.params(),
             generator=generator,
-            return_logprobs=engine_old,
+            return_logprobs=engine_old or settings.importance_correction,
             device=device,
             timings=timings,
         )
@@ -101,8 +104,10 @@ def run_round(
 
     start = time.perf_counter()  # 5. π_old (unless the engine's are kept) and π_ref, without gradients
     old, ref = logprobs(batch, old=record_old and not engine_old, ref=settings.reference)
-    batch.old_logprobs = (old if old is not None else batch.old_logprobs) if record_old else None
+    batch.old_logprobs = (batch.engine_logprobs if engine_old else old) if record_old else None
     batch.ref_logprobs = ref
+    if not settings.importance_correction:
+        batch.engine_logprobs = None
     timings["logprobs"] = time.perf_counter() - start
 
     batch.metrics = rollout_metrics(batch, settings.sampling.group_size, timings)

@@ -38,7 +38,7 @@ def sample_and_score(
     """``params.group_size`` completions (one when greedy) for each prompt of ``rows``, decoded and scored.
 
     ``rows`` holds the ``prompt`` column and the dataset's other columns (passed on to the reward functions).
-    ``return_logprobs`` keeps the engine's log-probs of the sampled tokens in ``RolloutBatch.old_logprobs``.
+    ``return_logprobs`` keeps the engine's log-probs of the sampled tokens in ``RolloutBatch.engine_logprobs``.
     ``timings``, when given, accumulates the seconds spent in ``generate`` and ``score``.
     """
     group_size = 1 if params.greedy else params.group_size
@@ -62,7 +62,7 @@ def sample_and_score(
         prompts=prompts,
         completions=texts,
         reward_columns=scores.per_function,
-        old_logprobs=completions.logprobs,
+        engine_logprobs=completions.logprobs,
         correct=scores.correct,
         temperature=params.temperature,
         max_new_tokens=params.max_new_tokens,

