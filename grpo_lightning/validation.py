@@ -123,6 +123,21 @@ def check_ranges(section: str, settings: Mapping[str, Any] | Any) -> None:
             raise ConfigError(f"{name} must be {must_be} (got {settings[key]!r})")
 
 
+def check_batch_sizes(rollout: int, mini: int, micro: int, accumulate: int) -> None:
+    """The rollout splits into mini-batches (optimizer steps) of micro-batches (forwards), one accumulation each."""
+    if rollout % mini:
+        raise ConfigError(
+            f"data.mini_batch_size ({mini}) must divide the rollout of prompts_per_round × group_size = {rollout}"
+        )
+    if mini % micro:
+        raise ConfigError(f"data.micro_batch_size ({micro}) must divide data.mini_batch_size ({mini})")
+    if mini // micro != accumulate:
+        raise ConfigError(
+            f"data.mini_batch_size / data.micro_batch_size = {mini // micro} but "
+            f"trainer.accumulate_grad_batches = {accumulate}: set them to agree"
+        )
+
+
 def check_setting_ranges(config: Any) -> None:
     """``check_ranges`` for every section of a parsed config (one subcommand's: ``model``, ``data``, ``trainer``)."""
     for section in ("model", "data", "trainer"):

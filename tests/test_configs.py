@@ -217,7 +217,9 @@ def engine_package(name: str) -> str | None:
     return "vllm" if engine is not None and "vllm" in json.dumps(engine).lower() else None
 
 
-@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.vllm) if engine_package(n) == "vllm" else n for n in SHIPPED]
+)
 def test_shipped_config_runs(name, scratch):
     run = run_of(name)
     if run is None:

@@ -29,6 +29,7 @@ from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, Sampl
 from grpo_lightning.cli import TRAINER_DEFAULTS
 from grpo_lightning.config import AdvantageConfig
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams
+from grpo_lightning.engines.vllm import policy_weights
 from grpo_lightning.lora import LoraConfig
 from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
 from grpo_lightning.rewards import RewardSpec, register
@@ -231,6 +232,13 @@ def worker(out: Path, model_dir: str) -> None:
         logits = module.policy(input_ids=probe).logits  # a sharded forward: every rank takes part
     if rank == 0:
         torch.save({"input_ids": probe, "logits": logits}, out / "fsdp_logits.pt")
+    # What an engine with its own copy (vLLM) is pushed: each parameter gathered on its own, the full values.
+    pushed = dict(policy_weights(module.policy))
+    full = full_weights(module.policy)
+    results["fsdp_push"] = {
+        "names_equal": sorted(pushed) == sorted(full),
+        "max_diff": max((pushed[k] - full[k]).abs().max().item() for k in full),
+    }
 
     # FSDP2 with LoRA (reference = adapter disabled) and gradient checkpointing.
     module, data, trainer, record = make_run(
@@ -245,6 +253,19 @@ def worker(out: Path, model_dir: str) -> None:
     trainer.fit(module, datamodule=data)
     lora = finish("fsdp_lora", module, trainer, record)
     results["fsdp_lora"]["changed"] = sorted(k for k in lora if not torch.equal(lora[k], record.start_weights[k]))
+    # The LoRA push: W + (α / r)·B·A under the plain model's names, from the sharded adapters.
+    pushed, prefix, diffs = dict(policy_weights(module.policy)), "base_model.model.", []
+    for name, tensor in pushed.items():
+        layer = prefix + name.removesuffix(".weight")
+        if f"{layer}.base_layer.weight" in lora:
+            delta = lora[f"{layer}.lora_B.default.weight"] @ lora[f"{layer}.lora_A.default.weight"]
+            diffs.append((tensor - lora[f"{layer}.base_layer.weight"] - 2.0 * delta).abs().max().item())
+        else:
+            diffs.append((tensor - lora[prefix + name]).abs().max().item())
+    results["fsdp_lora"]["push_max_diff"], results["fsdp_lora"]["merged_layers"] = (
+        max(diffs),
+        sum(f"{prefix}{n.removesuffix('.weight')}.base_layer.weight" in lora for n in pushed),
+    )
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results))
 
@@ -303,6 +324,13 @@ def test_three_steps_finite_and_ranks_identical(two_processes: tuple[Path, dict[
     assert run["global_step"] == 3 and len(run["losses"]) == 3 * 2  # 3 rounds × 2 micro-batches
     assert all(math.isfinite(loss) for loss in run["losses"])
     assert run["rank_max_diff"] == 0.0
+
+
+def test_the_engine_push_under_fsdp2_gathers_the_full_weights(two_processes: tuple[Path, dict[str, Any]]) -> None:
+    """``engines.vllm.policy_weights``: what a vLLM engine is given, under FSDP2, plain and with LoRA merged in."""
+    _, results = two_processes
+    assert results["fsdp_push"] == {"names_equal": True, "max_diff": 0.0}
+    assert results["fsdp_lora"]["merged_layers"] > 0 and results["fsdp_lora"]["push_max_diff"] < 1e-6
 
 
 @pytest.mark.parametrize("strategy,loss_type", [("ddp", "dapo"), ("ddp", "grpo"), ("ddp", "dr_grpo"), ("fsdp", "dapo")])

@@ -18,6 +18,7 @@ from lightning import Callback, Trainer, seed_everything
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.callbacks.checkpointing import RoundCheckpoint
 from grpo_lightning.callbacks.kl import KLController, ReferenceSync
+from grpo_lightning.callbacks.policy_sync import OldPolicySync
 from grpo_lightning.checkpoint_io import AtomicCheckpointIO, remove_partial_checkpoints
 from grpo_lightning.cli import TRAINER_DEFAULTS
 from grpo_lightning.config import ConfigError
@@ -55,14 +56,16 @@ class Recorder(Callback):
         self.betas.append(module.beta)
 
 
-def fit(dirpath, epochs, *, ckpt_path=None, every_n_rounds=1, tiny=TINY):
-    """One in-process ``fit`` of the recipe; returns the module, datamodule and recorder."""
+def fit(dirpath, epochs, *, ckpt_path=None, every_n_rounds=1, tiny=TINY, engine="auto"):
+    """One in-process ``fit`` of the recipe; returns the module, datamodule and recorder (``test_vllm_runs.py``
+    runs it with the vllm engine)."""
     seed_everything(0)
     FAIL["calls"] = 0
     module = GRPOModule(tiny_model=tiny, objective=ObjectiveConfig(beta=0.05), lr=1e-3, warmup_steps=3)
     data = RolloutDataModule(
         rewards=[RewardSpec("resume_noisy_length")],
         sampling=SamplingConfig(group_size=GROUP, max_new_tokens=4),
+        engine=engine,
         prompts_per_round=PROMPTS,
         mini_batch_size=4,
         val_limit=4,
@@ -70,6 +73,7 @@ def fit(dirpath, epochs, *, ckpt_path=None, every_n_rounds=1, tiny=TINY):
     )
     recorder = Recorder()
     callbacks = [recorder, KLController(target_kl=0.001, horizon=100), ReferenceSync(sync_steps=3, alpha=0.5)]
+    callbacks.append(OldPolicySync())  # the CLI adds it; an engine with its own weights needs it
     trainer = Trainer(
         **TRAINER_DEFAULTS,
         max_epochs=epochs,

@@ -8,10 +8,9 @@ exact distribution (χ² bound), and greedy decoding token for token against ``m
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from engine_contract import chi2_critical
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from grpo_lightning.engines.lean import sample_completions
@@ -43,12 +42,6 @@ def transformers_probs(logits: torch.Tensor, temperature: float, top_k: int, top
     if top_p < 1.0:
         warpers.append(TopPLogitsWarper(top_p))
     return warpers(torch.zeros(1, 1, dtype=torch.long), logits[None].clone())[0].softmax(-1)
-
-
-def chi2_critical(df: int, z: float = 4.26) -> float:
-    """Upper χ² quantile by the Wilson–Hilferty approximation; z = 4.26 is a one-sided 1e-5 tail."""
-    k = 2.0 / (9.0 * df)
-    return df * (1.0 - k + z * math.sqrt(k)) ** 3
 
 
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), SETTINGS)

