@@ -163,6 +163,23 @@ TABLE: dict[str, list[tuple[str, str, float]]] = {
         (r"\boxed{3\sqrt{12}}", r"3\sqrt{13}", 0.0),
         (r"\boxed{\sqrt{39}}", r"3\sqrt{13}", 0.0),
     ],
+    "close values and infinities": [
+        (r"\boxed{\frac{\sqrt{6} + \sqrt{2}}{4}}", r"\frac{\sqrt{2 + \sqrt{3}}}{2}", 1.0),  # equal, shown numerically
+        (r"\boxed{10^{-12}}", r"0", 0.0),  # no absolute slack near 0
+        (r"\boxed{\frac{1}{10^{12}}}", r"0", 0.0),
+        (r"\boxed{2^{-40}}", r"0", 0.0),
+        (r"\boxed{10^{-9999}}", r"0", 0.0),
+        (r"\boxed{0.7071067812}", r"\frac{\sqrt{2}}{2}", 0.0),  # an approximation, as 0.333 for 1/3
+        (r"\boxed{1.0000001}", r"1", 0.0),
+        (r"\boxed{\infty}", r"\infty", 1.0),
+        (r"\boxed{\infty}", r"-\infty", 0.0),
+        (r"\boxed{7}", r"\infty", 0.0),
+        (r"\boxed{0}", r"\infty", 0.0),
+        (r"\boxed{[2, \infty)}", r"[2, \infty)", 1.0),
+        (r"\boxed{[2, 5)}", r"[2, \infty)", 0.0),  # a finite end for an infinite one
+        (r"\boxed{(-\infty, 3]}", r"(\infty, 3]", 0.0),
+        (r"\boxed{(0, \infty)}", r"(0, 10^{9})", 0.0),
+    ],
     "several boxed answers": [
         (r"First \boxed{3}, no: so \boxed{5}.", r"5", 1.0),
         (r"First \boxed{3}, no: so \boxed{5}.", r"3", 0.0),
@@ -272,8 +289,10 @@ def test_math_verify_backend_reads_our_extracted_answers() -> None:
 
 
 # Where math-verify's policy differs from ours (docs/rewards.md): it reads a list or set as a tuple, matches an
-# equation to its multiples and ignores a base subscript. ``either`` inherits these acceptances.
+# equation to its multiples, ignores a base subscript and accepts a decimal approximation of an irrational value.
+# ``either`` inherits these acceptances.
 MATH_VERIFY_ACCEPTS = {
+    (r"\boxed{0.7071067812}", r"\frac{\sqrt{2}}{2}"),
     (r"\boxed{3, -1}", r"(3,-1)"),
     (r"\boxed{\{1, 2\}}", r"(1, 2)"),
     (r"\boxed{4x + 6y = 12}", r"2x + 3y = 6"),

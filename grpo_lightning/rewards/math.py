@@ -17,20 +17,15 @@ Model output never reaches ``eval``: LaTeX is turned into tokens from a small wh
 from __future__ import annotations
 
 import functools
-import json
 import re
-import select
-import subprocess
-import sys
 import threading
 import time
 from fractions import Fraction
-from subprocess import DEVNULL, PIPE
 from typing import Any
 
 from grpo_lightning.rewards import register
 from grpo_lightning.rewards.combine import TimeLimitExceeded, alarm_available, time_limit
-from grpo_lightning.rewards.math_backends import check_math_kwargs, math_verify_equivalent, stop_worker
+from grpo_lightning.rewards.math_backends import Worker, check_math_kwargs, math_verify_equivalent, stop_worker
 from grpo_lightning.rewards.math_extract import DEFAULT_MODES, extract_answer, last_boxed, reference_answer
 from grpo_lightning.rewards.math_extract import read_group as _read_group
 from grpo_lightning.rewards.math_forms import compare_structured, normalize
@@ -141,13 +136,19 @@ def sympy_equal(a, b):
     left, right = (parse_expr(x, local_dict=dict(symbols), evaluate=False) for x in (a, b))
     if too_big(left) or too_big(right):
         return False
+    if any(x.has(sympy.oo, sympy.zoo, sympy.nan) for x in (left, right)):
+        return sympy.simplify(left) == sympy.simplify(right)  # oo - oo is nan: infinities compare by form
     difference = sympy.simplify(left - right)
     if difference == 0:
         return True
-    if difference.free_symbols or right.free_symbols:
+    if difference.free_symbols or left.free_symbols or right.free_symbols:
         return False
-    scale = max(1.0, abs(complex(sympy.N(right, 30))))
-    return abs(complex(sympy.N(difference, 30))) <= 1e-9 * scale
+    # Equal values that simplify cannot prove equal (nested radicals...): the same to 12 significant digits, in
+    # sympy's arbitrary-range floats (10^{-9999} is not 0), relative to the values: no absolute slack near 0.
+    l, r, d = (sympy.N(x, 30) for x in (left, right, difference))
+    if not all(x.is_finite for x in (l, r, d)):
+        return False
+    return bool(abs(d) <= sympy.Float("1e-12", 30) * sympy.Max(abs(l), abs(r)))
 if __name__ == "__main__":
     import sympy
     resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
@@ -164,27 +165,14 @@ exec(compile(_SYMPY_CHECK, "<sympy_check>", "exec"), _CHECK)
 _sympy_equal, _FUNCTIONS, _CONSTANTS = _CHECK["sympy_equal"], _CHECK["FUNCTIONS"], _CHECK["CONSTANTS"]
 
 
-_WORKER: list[subprocess.Popen] = []  # the worker process, once started
-_WORKER_LOCK = threading.Lock()
+# Off the main thread: the same check in a long-lived worker process, killed (and restarted at once) when a check
+# overruns its limit.
+_WORKER = Worker(_SYMPY_CHECK, "sympy")
 
 
 def _worker_check(a: str, b: str, timeout_s: float) -> bool:
-    """Sympy equality in a long-lived worker process, killed (and restarted on next use) when a check overruns."""
-    with _WORKER_LOCK:
-        if not _WORKER or _WORKER[0].poll() is not None:
-            command = [sys.executable, "-I", "-c", _SYMPY_CHECK]
-            _WORKER[:] = [subprocess.Popen(command, stdin=PIPE, stdout=PIPE, stderr=DEVNULL, text=True)]
-            _WORKER[0].stdout.readline()  # "ready": sympy is imported
-        proc = _WORKER[0]
-        proc.stdin.write(json.dumps([a, b]) + "\n")
-        proc.stdin.flush()
-        if select.select([proc.stdout], [], [], timeout_s)[0]:
-            line = proc.stdout.readline()
-            return bool(line) and json.loads(line) is True
-        proc.kill()
-        proc.wait()
-        _WORKER.clear()
-        return False
+    """Sympy equality in the worker process: False when it does not answer within ``timeout_s``."""
+    return _WORKER.ask([a, b], timeout_s) is True
 
 
 def _sympy_equal_limited(a: str, b: str, timeout_s: float) -> bool:
@@ -263,8 +251,9 @@ def _equivalent(p: str, r: str, timeout_s: float) -> bool:
 
 
 def clear_caches() -> None:
-    """Forget every cached verdict and stop the math-verify worker (for benchmarks: each run starts cold)."""
+    """Forget every cached verdict and stop the worker processes (for benchmarks: each run starts cold)."""
     _equivalent.cache_clear()
+    _WORKER.stop()
     stop_worker()
 
 

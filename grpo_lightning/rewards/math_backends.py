@@ -84,15 +84,15 @@ def check_math_kwargs(**kwargs: Any) -> None:
         )
 
 
-class _Worker:
+class Worker:
     """A long-lived ``python -I -c source`` process answering one JSON line per request line.
 
     A request that takes longer than its time limit kills the process and starts the next one at once, so that
     its imports overlap with the caller's work. A forked child starts its own instead of sharing its parent's.
     """
 
-    def __init__(self, source: str, start_timeout_s: float = 120.0) -> None:
-        self.source, self.start_timeout_s = source, start_timeout_s
+    def __init__(self, source: str, name: str, hint: str = "", start_timeout_s: float = 120.0) -> None:
+        self.source, self.name, self.hint, self.start_timeout_s = source, name, hint, start_timeout_s
         self.process: subprocess.Popen | None = None
         self.ready, self.owner = False, 0
         self.lock = threading.Lock()
@@ -124,7 +124,8 @@ class _Worker:
                     self.process.kill()
                     self.process.wait()
                     self.process = None
-                    raise RewardError(f"math_accuracy: the math-verify worker process did not start ({INSTALL_HINT})")
+                    hint = f" ({self.hint})" if self.hint else ""
+                    raise RewardError(f"math_accuracy: the {self.name} worker process did not start{hint}")
                 self.ready = True
             assert self.process is not None and self.process.stdin is not None
             try:
@@ -138,17 +139,21 @@ class _Worker:
                 return None
             return json.loads(line)
 
+    def stop(self) -> None:
+        """Kill the process (the next request starts a new one)."""
+        with self.lock:
+            if self.process is not None and self.owner == os.getpid():
+                self.process.kill()
+                self.process.wait()
+            self.process = None
 
-_WORKER = _Worker(_MV_CHECK)
+
+_WORKER = Worker(_MV_CHECK, "math-verify", INSTALL_HINT)
 
 
 def stop_worker() -> None:
     """Stop the math-verify worker process (the next check starts a new one) and forget cached verdicts."""
-    with _WORKER.lock:
-        if _WORKER.process is not None and _WORKER.owner == os.getpid():
-            _WORKER.process.kill()
-            _WORKER.process.wait()
-        _WORKER.process = None
+    _WORKER.stop()
     math_verify_equivalent.cache_clear()
 
 
