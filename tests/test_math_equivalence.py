@@ -64,6 +64,12 @@ TABLE: dict[str, list[tuple[str, str, float]]] = {
         (r"\boxed{x \in (-\infty, 3]}", r"(-\infty, 3]", 1.0),
         (r"\boxed{x \in (-2, 7]}", r"[-2, 7]", 0.0),
         (r"\boxed{x \in [-2, 8]}", r"x \in [-2, 7]", 0.0),
+        (r"\boxed{x_1 = 3}", r"x = 3", 1.0),
+        (r"\boxed{\mathbf{v} = (1, 2)}", r"\vec{v} = (1, 2)", 1.0),
+        (r"\boxed{y = 3}", r"x = 3", 0.0),  # two labels: the same letter (x = 3 and y = 3 are different lines)
+        (r"\boxed{x = 3}", r"y = 3", 0.0),
+        (r"\boxed{t \in [0, 1]}", r"x \in [0, 1]", 0.0),
+        (r"\boxed{x = -2}", r"2", 0.0),
     ],
     "spacing inside numbers": [
         (r"\boxed{11111111100}", r"11,\! 111,\! 111,\! 100", 1.0),
@@ -73,6 +79,15 @@ TABLE: dict[str, list[tuple[str, str, float]]] = {
         (r"\boxed{11111111110}", r"11,\! 111,\! 111,\! 100", 0.0),
         (r"\boxed{1111111100}", r"11,\! 111,\! 111,\! 100", 0.0),
         (r"\boxed{11, 111}", r"11111", 0.0),  # a list of two numbers, not a thousands separator
+        (r"\boxed{1\,000\,000}", r"10^6", 1.0),
+        (r"\boxed{12\ 500}", r"12,500", 1.0),
+        (r"\boxed{12 500}", r"12500", 1.0),
+        (r"\boxed{3\quad 4}", r"34", 0.0),  # spacing between digits that is not a thousands separator
+        (r"\boxed{3\,4}", r"34", 0.0),
+        (r"\boxed{3 4}", r"34", 0.0),
+        (r"\boxed{3 4}", r"12", 0.0),  # nor a product
+        (r"\boxed{12 5}", r"125", 0.0),
+        (r"\boxed{1 2 3}", r"123", 0.0),
     ],
     "units with exponents": [
         (r"\boxed{15}", r"15\mbox{ cm}^2", 1.0),
@@ -88,6 +103,10 @@ TABLE: dict[str, list[tuple[str, str, float]]] = {
         (r"\boxed{16}", r"15\mbox{ cm}^2", 0.0),
         (r"\boxed{5 \text{ m}^{2}}", r"25", 0.0),
         (r"\boxed{2 x}", r"2", 0.0),  # a variable, not a unit
+        (r"\boxed{2\text{ hours }30\text{ minutes}}", r"230", 0.0),  # only a unit that ends the answer is dropped
+        (r"\boxed{3 \text{ cm}, 4 \text{ cm}}", r"4, 3", 1.0),
+        (r"\boxed{(3\text{ cm}, 4\text{ cm})}", r"(3, 4)", 1.0),
+        (r"\boxed{(3\text{ cm}^2, 4\text{ cm}^2)}", r"(9, 16)", 0.0),
     ],
     "unordered answers": [
         (r"\boxed{7, 5, 3}", r"3, 5, 7", 1.0),
@@ -99,6 +118,13 @@ TABLE: dict[str, list[tuple[str, str, float]]] = {
         (r"\boxed{b = 3, a = 2}", r"a = 2, b = 3", 1.0),
         (r"\boxed{a = 3, b = 2}", r"a = 2, b = 3", 0.0),  # labels that differ are kept
         (r"\boxed{\{1, 2\}}", r"(1, 2)", 0.0),
+        (r"\boxed{3 \text{ or } 5}", r"5, 3", 1.0),
+        (r"\boxed{x = 1 \text{ or } x = 2}", r"1, 2", 1.0),
+        (r"\boxed{3, 5 \text{ and } 7}", r"7, 5, 3", 1.0),
+        (r"The answer is 3 or 5.", r"3, 5", 1.0),
+        (r"\boxed{3 \text{ or } 4}", r"34", 0.0),
+        (r"\boxed{3 \text{ or } 4}", r"3", 0.0),
+        (r"\boxed{x = 1 \text{ or } x = 3}", r"1, 2", 0.0),
     ],
     "ordered tuples and points": [
         (r"\boxed{(3, -1)}", r"(3,-1)", 1.0),
@@ -154,6 +180,10 @@ TABLE: dict[str, list[tuple[str, str, float]]] = {
         (r"\boxed{101010_2}", r"52_8", 0.0),  # the same value in another base
         (r"\boxed{1101_2}", r"1011_2", 0.0),
         (r"\boxed{59}", r"52_8", 0.0),  # 9 is not a base-8 digit
+        (r"\boxed{42_{10}}", r"42", 1.0),  # base 10 is the decimal number
+        (r"\boxed{42}", r"42_{10}", 1.0),
+        (r"\boxed{43_{10}}", r"42", 0.0),
+        (r"\boxed{42_{10}}", r"52_8", 0.0),
     ],
     "unsimplified radicals": [
         (r"\boxed{\sqrt{117}}", r"3\sqrt{13}", 1.0),

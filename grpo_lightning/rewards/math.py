@@ -28,7 +28,7 @@ from grpo_lightning.rewards.combine import TimeLimitExceeded, alarm_available, t
 from grpo_lightning.rewards.math_backends import Worker, check_math_kwargs, math_verify_equivalent, stop_worker
 from grpo_lightning.rewards.math_extract import DEFAULT_MODES, extract_answer, last_boxed, reference_answer
 from grpo_lightning.rewards.math_extract import read_group as _read_group
-from grpo_lightning.rewards.math_forms import compare_structured, normalize
+from grpo_lightning.rewards.math_forms import compare_structured, label_of, normalize
 
 __all__ = [
     "DEFAULT_MODES", "clear_caches", "extract_answer", "is_equivalent", "last_boxed", "latex_to_expression",
@@ -37,7 +37,8 @@ __all__ = [
 
 
 def _compact(s: str) -> str:
-    return re.sub(r"\s+", "", s).lower()
+    """``s`` without whitespace, lower-cased; a space between two digits stays ("3 4" is not 34)."""
+    return re.sub(r"(?<=\d) (?=\d)", "\x00", re.sub(r"\s+", " ", s)).replace(" ", "").lower()
 
 
 _SIGNED = r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
@@ -45,6 +46,8 @@ _SIGNED = r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
 
 def to_number(s: str) -> tuple[Fraction, bool] | None:
     """``(value, is_percent)`` for a plain number, ``a/b``, ``\\frac{a}{b}`` or mixed ``1\\frac{1}{2}``; else None."""
+    if re.search(r"\d\s+\d", s):
+        return None  # "3 4": two numbers, not 34
     s = re.sub(r"\s+", "", s)
     percent = s.endswith("%")
     s = s.removesuffix("%")
@@ -68,6 +71,10 @@ _LATEX_WORDS = dict(
     r"\tan=tan \arcsin=asin \arccos=acos \arctan=atan".split()
 )
 _TOKEN = re.compile(r"\s*(\d+\.?\d*|\.\d+|[A-Za-z]+\d*|\*\*|[-+*/^(),])")
+
+
+def _is_number(token: str) -> bool:
+    return token[0].isdigit() or token[0] == "."
 
 
 def latex_to_expression(s: str) -> str:
@@ -107,6 +114,8 @@ def latex_to_expression(s: str) -> str:
             pieces = list(word[:-1]) + [token[len(word) - 1 :]] if len(word) > 1 else [token]
         for piece in pieces:
             operand_start = piece[0].isalnum() or piece[0] in ".("
+            if out and _is_number(out[-1]) and _is_number(piece):
+                raise ValueError(f"two numbers side by side: {out[-1]} {piece}")  # "3 4" is neither 34 nor 12
             if out and operand_start and (out[-1][-1].isalnum() or out[-1] == ")") and out[-1] not in _FUNCTIONS:
                 out.append("*")  # implicit multiplication: 2x, 2(x+1), (a)(b)
             out.append("**" if piece == "^" else piece)
@@ -208,7 +217,11 @@ def is_equivalent(pred: str | None, ref: str | None, timeout_s: float = 2.0) -> 
     outer = getattr(_BUDGET, "deadline", None)
     _BUDGET.deadline = time.monotonic() + timeout_s
     try:
-        return _equivalent(normalize(str(pred)), normalize(str(ref)), timeout_s)
+        p, r = normalize(str(pred)), normalize(str(ref))
+        labelled = normalize(str(pred), keep_label=True), normalize(str(ref), keep_label=True)
+        if None not in (labels := [label_of(x) for x in labelled]) and labels[0] != labels[1]:
+            p, r = labelled  # "y = 3" is not "x = 3": a label both answers carry must be the same letter
+        return _equivalent(p, r, timeout_s)
     finally:
         _BUDGET.deadline = outer
 

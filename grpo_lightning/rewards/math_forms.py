@@ -20,10 +20,16 @@ from grpo_lightning.rewards.math_extract import last_boxed
 ROW = "\x1e"  # LaTeX's row break ``\\`` once normalised (it separates the rows of a matrix)
 MAX_PARTS = 100  # a list, union or matrix with more parts than this is not compared (and not rewarded)
 
-_DROP = (r"\left", r"\right", r"\displaystyle", r"\!", r"\,", r"\;", r"\:", r"\quad", r"\qquad", "\\ ", "~")
+_DROP = (r"\left", r"\right", r"\displaystyle")
+_SPACING = (r"\!", r"\,", r"\;", r"\:", r"\qquad", r"\quad", "\\ ", "~")  # a space, not nothing: "3\quad 4" is not 34
+# Spacing between digits before a group of three: a thousands separator (1\,000, 1\ 000, 12 500).
+_SPACED_THOUSANDS = re.compile(r"(?<=\d)(?:\\[,!;: ]|~|\\q?quad|\s)+(?=\d{3}(?!\d))")
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
-# A unit in \text{} / \mbox{} goes with its exponent: "15\mbox{ cm}^2" is 15, never 15^2.
-_TEXT_UNIT = re.compile(_TEXT_CMD.pattern + r"(?:\s*\^\s*(?:\{[^{}]*\}|\\circ|\w))?")
+# A unit in \text{} / \mbox{} goes with its exponent: "15\mbox{ cm}^2" is 15, never 15^2. Only a unit that ends the
+# answer or one of its parts: "2\text{ hours }30\text{ minutes}" is not 230.
+_TEXT_UNIT = re.compile(_TEXT_CMD.pattern + r"(?:\s*\^\s*(?:\{[^{}]*\}|\\circ|\w))?(?=\s*(?:$|[,;)\]}]|\\\}|\\cup))")
+# "3 \text{ or } 5", "x = 1 \text{ and } x = 2": a list of answers.
+_CONNECTIVE = re.compile(r"\\(?:text|textrm|mbox|mathrm)\s*\{\s*(?:or|and)\s*\}|\s+(?:or|and)\s+")
 _UNICODE = {
     "−": "-", "–": "-", "×": r"\times", "÷": "/", "·": r"\cdot", "∞": r"\infty", "π": r"\pi", "√": r"\sqrt",
     "∪": r"\cup", "±": r"\pm", "∓": r"\mp", "²": "^2", "³": "^3", "∈": r"\in",
@@ -44,8 +50,22 @@ def strip_label(s: str) -> str:
     return s[match.end() :].strip()
 
 
-def normalize(answer: str) -> str:
-    """A canonical string for an answer: delimiters, ``$``, spacing, units, degrees, labels and ``\\text`` removed."""
+def label_of(s: str) -> str | None:
+    """The letter of the label that :func:`strip_label` would remove (``x`` for ``x_1 = 3``), else None."""
+    if strip_label(s) == s:
+        return None
+    return re.search(r"[a-zA-Z](?=\}?\s*(?:_|=|\\in))", _LABEL.match(s).group(0)).group(0)
+
+
+def normalize(answer: str, keep_label: bool = False) -> str:
+    """A canonical string for an answer: delimiters, ``$``, spacing, units, degrees, labels and ``\\text`` removed.
+
+    ``keep_label=True`` keeps a leading ``x =`` / ``x \\in`` (for two answers labelled with different letters).
+    """
+
+    def unlabel(x: str) -> str:
+        return x if keep_label else strip_label(x)
+
     s = answer.strip()
     boxed = last_boxed(s)
     s = boxed if boxed is not None else s
@@ -53,16 +73,19 @@ def normalize(answer: str) -> str:
         s = s.replace(old, new)
     s = re.sub(r"(\d),\\!\s*(?=\d{3}(?!\d))", r"\1,", s)  # 11,\! 111,\! 100: thousands separators
     s = s.replace("\\\\", ROW)
+    s = _SPACED_THOUSANDS.sub("", s)
     for token in _DROP:
         s = s.replace(token, "")
+    for token in _SPACING:
+        s = s.replace(token, " ")
     s = re.sub(r"\\[dt]frac", r"\\frac", s)
     s = re.sub(r"\^\s*\{?\\circ\}?|\\circ|°|\bdegrees?\b", "", s)
     s = s.replace("\\%", "%").replace("\\$", "").replace("$", "").replace("{,}", ",")
-    s = strip_label(re.sub(r"^\\\(|\\\)$|^\\\[|\\\]$", "", s.strip()))
-    texts = _TEXT_CMD.findall(s)
+    s = unlabel(re.sub(r"^\\\(|\\\)$|^\\\[|\\\]$", "", s.strip()))
     without = _TEXT_UNIT.sub(" ", s)
-    s = without if texts and re.search(r"\d", without) else _TEXT_CMD.sub(lambda m: m.group(1), s)
-    s = strip_label(s.strip().removesuffix(".").strip())
+    s = _TEXT_CMD.sub(lambda m: m.group(1), without if re.search(r"\d", without) else s)
+    s = re.sub(r"\s+", " ", s).strip().removesuffix(".").strip()
+    s = unlabel(_CONNECTIVE.sub(", ", s) if re.search(r"\d", s) else s)
     unit = _PLAIN_UNIT.fullmatch(s)
     if unit and not re.search(r"\\", s):
         s = unit.group(1)
@@ -184,6 +207,8 @@ def compare_structured(p: str, r: str, same: Callable[[str, str], bool]) -> bool
             return False
         return all(same(a, b) for p_row, r_row in zip(p_rows, r_rows) for a, b in zip(p_row, r_row))
     p_base, r_base = _base_number(p), _base_number(r)
+    if p_base and p_base[1] == 10 and not r_base:
+        return same(str(p_base[0]), r)  # 42_{10} is the decimal 42
     if p_base or r_base:
         if r_base is None:
             return False  # the reference is not written in a base: a based number is another answer
