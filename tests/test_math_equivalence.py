@@ -35,6 +35,11 @@ TABLE: dict[str, list[tuple[str, str, float]]] = {
         (r"\boxed{\begin{vmatrix} -\frac{1}{3} & 2 \\ 0 & \sqrt{8} \end{vmatrix}}", PMATRIX, 0.0),
         (r"\boxed{\begin{pmatrix} -1 \\ 2 \end{pmatrix}}", r"\begin{pmatrix} 2 \\ -1 \end{pmatrix}", 0.0),
         (r"\boxed{(2, -1)}", r"\begin{pmatrix} 2 \\ -1 \end{pmatrix}", 0.0),
+        (r"\boxed{\begin{pmatrix} 0.5 \\ 2 \end{pmatrix}}", r"\begin{pmatrix} \frac12 \\ 2 \end{pmatrix}", 1.0),
+        (r"\boxed{\begin{pmatrix} 1 & 23 & 4 \end{pmatrix}}", r"\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}", 0.0),
+        (r"\boxed{\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}}", r"\begin{pmatrix} 1 & 23 & 4 \end{pmatrix}", 0.0),
+        (r"\boxed{\begin{pmatrix} 1 & 3 \\ 2 & 4 \end{pmatrix}}", r"\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}", 0.0),
+        (r"\boxed{2\begin{pmatrix} 1 \\ 2 \end{pmatrix}}", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", 0.0),
     ],
     "unions of intervals": [
         (r"\boxed{(9,36) \cup (0,9)}", r"(0,9) \cup (9,36)", 1.0),
@@ -144,6 +149,13 @@ TABLE: dict[str, list[tuple[str, str, float]]] = {
         (r"\boxed{x = 2y + 3}", r"y = 2x + 3", 0.0),
         (r"\boxed{4x + 6y = 12}", r"2x + 3y = 6", 0.0),  # a multiple: not the form asked for
         (r"\boxed{2x + 3y = 7}", r"2x + 3y = 6", 0.0),
+        (r"\boxed{2x + 3 = y}", r"y = 2x + 3", 1.0),  # a label is also the left side of an equation
+        (r"\boxed{y - 2x - 3 = 0}", r"y = 2x + 3", 1.0),
+        (r"\boxed{y = 2x + 3}", r"-y + 2x + 3 = 0", 1.0),
+        (r"\boxed{x - y = 0}", r"y = x", 1.0),
+        (r"\boxed{x = 2x + 3}", r"2x + 3", 0.0),  # x on both sides: an equation, not a label
+        (r"\boxed{2x + 3}", r"x = 2x + 3", 0.0),
+        (r"\boxed{y = 2x + 3}", r"2x + 4 = y", 0.0),
     ],
     "units and currency": [
         (r"\boxed{\$18.50}", r"18.5", 1.0),
@@ -161,6 +173,9 @@ TABLE: dict[str, list[tuple[str, str, float]]] = {
         (r"\boxed{2.5\%}", r"25\%", 0.0),
         (r"\boxed{25\%}", r"2.5", 0.0),
         (r"\boxed{75\%}", r"25\%", 0.0),
+        (r"\boxed{0.75\%}", r"75\%", 0.0),  # two percentages compare as they are
+        (r"\boxed{75\%}", r"0.75\%", 0.0),
+        (r"\boxed{75\%}", r"75\%", 1.0),
     ],
     "degrees": [
         (r"\boxed{30^\circ}", r"30", 1.0),
@@ -184,6 +199,10 @@ TABLE: dict[str, list[tuple[str, str, float]]] = {
         (r"\boxed{42}", r"42_{10}", 1.0),
         (r"\boxed{43_{10}}", r"42", 0.0),
         (r"\boxed{42_{10}}", r"52_8", 0.0),
+        (r"\boxed{a3_{16}}", r"A3_{16}", 1.0),
+        (r"\boxed{a3}", r"A3_{16}", 1.0),
+        (r"\boxed{a4_{16}}", r"A3_{16}", 0.0),
+        (r"\boxed{10}", r"a_{12}", 0.0),  # a subscripted variable, not a number in base 12
     ],
     "unsimplified radicals": [
         (r"\boxed{\sqrt{117}}", r"3\sqrt{13}", 1.0),
@@ -209,6 +228,15 @@ TABLE: dict[str, list[tuple[str, str, float]]] = {
         (r"\boxed{[2, 5)}", r"[2, \infty)", 0.0),  # a finite end for an infinite one
         (r"\boxed{(-\infty, 3]}", r"(\infty, 3]", 0.0),
         (r"\boxed{(0, \infty)}", r"(0, 10^{9})", 0.0),
+    ],
+    "letters and words": [
+        (r"\boxed{\text{Monday}}", r"monday", 1.0),  # words: any case
+        (r"\boxed{\text{(C)}}", r"C", 1.0),
+        (r"\boxed{X}", r"x", 0.0),  # single letters and commands: their case
+        (r"\boxed{E}", r"e", 0.0),
+        (r"\boxed{\text{A}}", r"a", 0.0),
+        (r"\boxed{\Pi}", r"\pi", 0.0),
+        (r"\boxed{\text{(B)}}", r"C", 0.0),
     ],
     "several boxed answers": [
         (r"First \boxed{3}, no: so \boxed{5}.", r"5", 1.0),
@@ -319,9 +347,15 @@ def test_math_verify_backend_reads_our_extracted_answers() -> None:
 
 
 # Where math-verify's policy differs from ours (docs/rewards.md): it reads a list or set as a tuple, matches an
-# equation to its multiples, ignores a base subscript and accepts a decimal approximation of an irrational value.
-# ``either`` inherits these acceptances.
+# equation to its multiples, ignores a base subscript, accepts a decimal approximation of an irrational value, ignores
+# the case of letters and drops ``x =`` before an expression in x. ``either`` inherits these acceptances.
 MATH_VERIFY_ACCEPTS = {
+    (r"\boxed{X}", r"x"),
+    (r"\boxed{E}", r"e"),
+    (r"\boxed{\text{A}}", r"a"),
+    (r"\boxed{\Pi}", r"\pi"),
+    (r"\boxed{x = 2x + 3}", r"2x + 3"),
+    (r"\boxed{2x + 3}", r"x = 2x + 3"),
     (r"\boxed{0.7071067812}", r"\frac{\sqrt{2}}{2}"),
     (r"\boxed{3, -1}", r"(3,-1)"),
     (r"\boxed{\{1, 2\}}", r"(1, 2)"),

@@ -37,8 +37,10 @@ __all__ = [
 
 
 def _compact(s: str) -> str:
-    """``s`` without whitespace, lower-cased; a space between two digits stays ("3 4" is not 34)."""
-    return re.sub(r"(?<=\d) (?=\d)", "\x00", re.sub(r"\s+", " ", s)).replace(" ", "").lower()
+    """``s`` without whitespace, words lower-cased; a space between two digits stays ("3 4" is not 34), and so does
+    the case of single letters and of commands (``X`` is not ``x``, ``E`` not ``e``, ``\\Pi`` not ``\\pi``)."""
+    s = re.sub(r"(?<=\d) (?=\d)", "\ue001", re.sub(r"\s+", " ", s)).replace(" ", "")
+    return re.sub(r"(?<![\\a-zA-Z])[a-zA-Z]{2,}", lambda m: m.group(0).lower(), s)
 
 
 _SIGNED = r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
@@ -217,11 +219,12 @@ def is_equivalent(pred: str | None, ref: str | None, timeout_s: float = 2.0) -> 
     outer = getattr(_BUDGET, "deadline", None)
     _BUDGET.deadline = time.monotonic() + timeout_s
     try:
-        p, r = normalize(str(pred)), normalize(str(ref))
+        plain = normalize(str(pred)), normalize(str(ref))
         labelled = normalize(str(pred), keep_label=True), normalize(str(ref), keep_label=True)
         if None not in (labels := [label_of(x) for x in labelled]) and labels[0] != labels[1]:
-            p, r = labelled  # "y = 3" is not "x = 3": a label both answers carry must be the same letter
-        return _equivalent(p, r, timeout_s)
+            return _equivalent(*labelled, timeout_s)  # "y = 3" is not "x = 3": both labels must be the same letter
+        # With the label kept, "y = 2x + 3" is also the equation "2x + 3 = y" or "y - 2x - 3 = 0".
+        return _equivalent(*plain, timeout_s) or (labelled != plain and _equivalent(*labelled, timeout_s))
     finally:
         _BUDGET.deadline = outer
 
@@ -243,9 +246,10 @@ def _equivalent(p: str, r: str, timeout_s: float) -> bool:
         return True
     pn, rn = to_number(p), to_number(r)
     if pn is not None and rn is not None:
-        p_values = {pn[0], pn[0] / 100} if pn[1] else {pn[0]}
-        r_values = {rn[0], rn[0] / 100} if rn[1] else {rn[0]}
-        return bool(p_values & r_values)
+        if pn[1] == rn[1]:
+            return pn[0] == rn[0]  # both percentages, or neither: 0.75% is not 75%
+        percent, other = (pn[0], rn[0]) if pn[1] else (rn[0], pn[0])
+        return other in (percent, percent / 100)  # 25% matches 25 and 0.25
 
     def same(a: str, b: str) -> bool:
         return _time_left() > 0 and _equivalent(a, b, timeout_s)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from grpo_lightning.rewards.math_extract import last_boxed
 
-ROW = "\x1e"  # LaTeX's row break ``\\`` once normalised (it separates the rows of a matrix)
+ROW = "\ue000"  # LaTeX's row break ``\\`` once normalised (private use: not whitespace, which is collapsed)
 MAX_PARTS = 100  # a list, union or matrix with more parts than this is not compared (and not rewarded)
 
 _DROP = (r"\left", r"\right", r"\displaystyle")
@@ -39,7 +39,9 @@ _LABEL = re.compile(r"^\s*(?:[a-zA-Z]|\\mathbf\{[a-zA-Z]\}|\\vec\{[a-zA-Z]\})(?:
 # "18 dollars", "5 cm", "864 inches^2": words after a number (one-letter words only when they are common units).
 _PLAIN_UNIT = re.compile(r"(-?[\d.,]*\d%?)((?:\s+(?:[a-zA-Z]{2,}|[mgsLh])\.?(?:\s*\^\s*\{?\d\}?)?)+)")
 _MATRIX = re.compile(r"\\begin\{([pbBvV]?|small)matrix\}(.*)\\end\{\1matrix\}", re.DOTALL)
-_BASE = re.compile(r"\(?([0-9A-Z]+)\)?_\{?(\d+)\}?")
+# Digits in a base: upper-case letters, or lower-case with a digit among them (a3_{16}; a_{12} is a variable).
+_DIGITS = r"(?:[0-9A-Z]+|[0-9a-z]*\d[0-9a-z]*)"
+_BASE = re.compile(rf"\(?({_DIGITS})\)?_\{{?(\d+)\}}?")
 
 
 def strip_label(s: str) -> str:
@@ -47,7 +49,11 @@ def strip_label(s: str) -> str:
     match = _LABEL.match(s)
     if not match or (match.group(1) == "=" and s.count("=") != 1) or (match.group(1) != "=" and "=" in s):
         return s
-    return s[match.end() :].strip()
+    rest = s[match.end() :].strip()
+    letter = re.search(r"[a-zA-Z](?=\}?\s*(?:_|=|\\in))", match.group(0)).group(0)
+    if re.search(rf"(?<![\\a-zA-Z]){letter}(?![a-zA-Z])", rest):
+        return s  # "x = 2x + 3" is an equation in x, not a label
+    return rest
 
 
 def label_of(s: str) -> str | None:
@@ -215,7 +221,7 @@ def compare_structured(p: str, r: str, same: Callable[[str, str], bool]) -> bool
         if p_base is None:
             digits = re.sub(r"\s+", "", p)
             try:
-                p_base = (int(digits, r_base[1]), r_base[1]) if re.fullmatch(r"[0-9A-Z]+", digits) else None
+                p_base = (int(digits, r_base[1]), r_base[1]) if re.fullmatch(_DIGITS, digits) else None
             except ValueError:
                 return False  # a digit the base does not have
         return p_base == r_base
