@@ -309,6 +309,54 @@ def test_a_check_with_many_slow_parts_stays_within_its_time_limit() -> None:
     assert time.monotonic() - start < 20 * 0.5
 
 
+# Answers that, unguarded, hang a check or run it for minutes: a huge power (refused, or stopped at the limit), deep
+# nesting (parsed in linear time; too deep for sympy's parser or for Python's recursion: not equivalent), a slow
+# simplification, and an answer past MAX_ANSWER_CHARS (compared as text only). (completion, reference, expected).
+PATHOLOGICAL = [
+    (r"\boxed{10^{10^{10}}}", "1", 0.0),
+    (r"\boxed{9^{9^{9^{9}}}}", "1", 0.0),
+    (r"\boxed{(10^{9999})^{9999}}", "1", 0.0),  # each exponent allowed, the value a 10^8-digit number
+    (r"\boxed{2^{10000} \cdot 2^{10000} \cdot 2^{10000}}", "1", 0.0),
+    ("\\boxed{" + "\\frac{1}{" * 200 + "2" + "}" * 200 + "}", "1", 0.0),
+    ("\\boxed{" + "\\sqrt{" * 250 + "2" + "}" * 250 + "}", "1", 0.0),
+    ("\\boxed{" + "(1," * 300 + "2" + ")" * 300 + "}", "(1," * 300 + "3" + ")" * 300, 0.0),
+    ("\\boxed{" + "(" * 900 + "1" + ")" * 900 + "}", "2", 0.0),
+    (r"\boxed{\sin(\sin(\sin(\sin(\sin(\sin(x+y+z)^{7})^5)^3)))}", r"\cos(x)", 0.0),
+    (r"\boxed{(x+y+z+w)^{200}}", r"(w+x+y+z)^{200} + 1", 0.0),
+    ("\\boxed{" + "1" * 100_000 + "}", "1" * 99_999 + "2", 0.0),
+    ("\\boxed{" + "\\frac{1}{" * 3000 + "2" + "}" * 3000 + "}", "1", 0.0),
+]
+
+
+@pytest.mark.parametrize(("backend", "in_thread"), [("builtin", False), ("builtin", True), ("math_verify", False)])
+def test_pathological_answers_finish_within_the_time_limit(backend: str, in_thread: bool) -> None:
+    """Each check ends by its limit (SIGALRM in the main thread, a killed worker process elsewhere and for
+    math-verify). Before each, a fresh easy check waits for a worker killed by the previous case to be back."""
+    if backend != "builtin":
+        pytest.importorskip("math_verify")
+    limit, took, verdicts = 0.5, [], []
+
+    def run() -> None:
+        for i, (completion, reference, _) in enumerate(PATHOLOGICAL):
+            warm = math_accuracy(
+                [""], [rf"\boxed{{{i + 2}x}}"], answer=[f"x + {i + 1}x"], backend=backend, timeout_s=60
+            )
+            assert warm == [1.0]
+            start = time.monotonic()
+            verdicts.append(math_accuracy([""], [completion], answer=[reference], backend=backend, timeout_s=limit)[0])
+            took.append(time.monotonic() - start)
+
+    if in_thread:
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join(600)
+    else:
+        run()
+    assert verdicts == [row[2] for row in PATHOLOGICAL]
+    # A hang guard, not a speed test: the limit plus 3 s for a loaded machine (unguarded: minutes, or never).
+    assert max(took) < limit + 3.0, [f"{t:.2f}" for t in took]
+
+
 # ----------------------------------------------------------------------------------------- backends
 def test_unknown_backend_is_refused_when_the_reward_is_built() -> None:
     with pytest.raises(RewardError, match="unknown backend 'sympy'; use one of builtin, math_verify, either"):

@@ -86,7 +86,7 @@ def latex_to_expression(s: str) -> str:
     for word, repl in _LATEX_WORDS.items():
         s = s.replace(word, f" {repl} ")
     for command, template in ((r"\frac", "(({0})/({1}))"), (r"\binom", " binomial({0},{1})"), (r"\sqrt", "")):
-        while (i := s.find(command)) >= 0:
+        while (i := s.rfind(command)) >= 0:  # the last first: its arguments hold no other, so each is read once
             j = i + len(command)
             if command == r"\sqrt":
                 root = None
@@ -208,25 +208,44 @@ def _time_left() -> float:
     return float("inf") if deadline is None else deadline - time.monotonic()
 
 
+MAX_ANSWER_CHARS = 2000  # a longer answer (or reference) is compared as text only: it is not parsed
+
+
 def is_equivalent(pred: str | None, ref: str | None, timeout_s: float = 2.0) -> bool:
     """Whether two extracted answers denote the same value (see the module docstring for what is understood).
 
     ``timeout_s`` bounds the whole check: each sympy call gets what is left of it, and whatever is still to be
-    compared once it is spent counts as different.
+    compared once it is spent counts as different. In the main thread the whole check, parsing included, is also
+    interrupted at ``timeout_s`` (SIGALRM); elsewhere the parsing done in this process is linear in the answer,
+    which is at most ``MAX_ANSWER_CHARS`` long (longer ones only match the same text).
     """
     if pred is None or ref is None or not str(pred).strip() or not str(ref).strip():
         return False
+    pred, ref = str(pred), str(ref)
+    if max(len(pred), len(ref)) > MAX_ANSWER_CHARS:
+        return _compact(pred) == _compact(ref)
     outer = getattr(_BUDGET, "deadline", None)
     _BUDGET.deadline = time.monotonic() + timeout_s
     try:
-        plain = normalize(str(pred)), normalize(str(ref))
-        labelled = normalize(str(pred), keep_label=True), normalize(str(ref), keep_label=True)
-        if None not in (labels := [label_of(x) for x in labelled]) and labels[0] != labels[1]:
-            return _equivalent(*labelled, timeout_s)  # "y = 3" is not "x = 3": both labels must be the same letter
-        # With the label kept, "y = 2x + 3" is also the equation "2x + 3 = y" or "y - 2x - 3 = 0".
-        return _equivalent(*plain, timeout_s) or (labelled != plain and _equivalent(*labelled, timeout_s))
+        with time_limit(timeout_s) as token:
+            return _check(pred, ref, timeout_s)
+    except TimeLimitExceeded as err:
+        if token is None or err.token is not token:
+            raise  # an enclosing limit (e.g. score(timeout_s=...)) ran out
+        return False
+    except RecursionError:  # (1,(1,(1,... nested hundreds deep
+        return False
     finally:
         _BUDGET.deadline = outer
+
+
+def _check(pred: str, ref: str, timeout_s: float) -> bool:
+    plain = normalize(pred), normalize(ref)
+    labelled = normalize(pred, keep_label=True), normalize(ref, keep_label=True)
+    if None not in (labels := [label_of(x) for x in labelled]) and labels[0] != labels[1]:
+        return _equivalent(*labelled, timeout_s)  # "y = 3" is not "x = 3": both labels must be the same letter
+    # With the label kept, "y = 2x + 3" is also the equation "2x + 3 = y" or "y - 2x - 3 = 0".
+    return _equivalent(*plain, timeout_s) or (labelled != plain and _equivalent(*labelled, timeout_s))
 
 
 def _sympy_within_budget(p: str, r: str, timeout_s: float) -> bool:
@@ -277,6 +296,8 @@ def clear_caches() -> None:
 def _judge(pred: str | None, ref: str, backend: str, timeout_s: float) -> bool:
     if pred is None or not pred.strip():
         return False
+    if max(len(pred), len(ref)) > MAX_ANSWER_CHARS:
+        return _compact(pred) == _compact(ref)  # too long to parse, for every backend
     if backend != "math_verify" and is_equivalent(pred, ref, timeout_s):
         return True
     return backend != "builtin" and math_verify_equivalent(pred, ref, timeout_s)

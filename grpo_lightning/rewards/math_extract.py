@@ -13,6 +13,7 @@ DEFAULT_MODES = ("answer_tag", "boxed", "hashes", "answer_is")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _HASHES = re.compile(r"####[ \t]*([^\n]+)")
 _ANSWER_IS = re.compile(r"\banswer\s*(?:is\s*:?|:|=)", re.IGNORECASE)
+_BRACE = re.compile(r"[{}]")
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 
 
@@ -25,10 +26,10 @@ def read_group(s: str, i: int) -> tuple[str, int]:
             raise ValueError("missing argument")
         return s[i], i + 1
     depth = 0
-    for j in range(i, len(s)):
-        depth += {"{": 1, "}": -1}.get(s[j], 0)
+    for brace in _BRACE.finditer(s, i):  # only the braces are visited: linear in them, not in the text
+        depth += 1 if brace.group() == "{" else -1
         if depth == 0:
-            return s[i + 1 : j], j + 1
+            return s[i + 1 : brace.start()], brace.end()
     raise ValueError("unbalanced braces")
 
 

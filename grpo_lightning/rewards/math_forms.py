@@ -40,7 +40,7 @@ _LABEL = re.compile(r"^\s*(?:[a-zA-Z]|\\mathbf\{[a-zA-Z]\}|\\vec\{[a-zA-Z]\})(?:
 _PLAIN_UNIT = re.compile(r"(-?[\d.,]*\d%?)((?:\s+(?:[a-zA-Z]{2,}|[mgsLh])\.?(?:\s*\^\s*\{?\d\}?)?)+)")
 _MATRIX = re.compile(r"\\begin\{([pbBvV]?|small)matrix\}(.*)\\end\{\1matrix\}", re.DOTALL)
 # Digits in a base: upper-case letters, or lower-case with a digit among them (a3_{16}; a_{12} is a variable).
-_DIGITS = r"(?:[0-9A-Z]+|[0-9a-z]*\d[0-9a-z]*)"
+_DIGITS = r"(?:[0-9A-Z]+|(?=[a-z]*\d)[0-9a-z]+)"  # (linear: no nested choice of where the digit is)
 _BASE = re.compile(rf"\(?({_DIGITS})\)?_\{{?(\d+)\}}?")
 
 
