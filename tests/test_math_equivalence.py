@@ -28,6 +28,8 @@ TABLE: dict[str, list[tuple[str, str, float]]] = {
         (r"\boxed{\begin{pmatrix} \frac{-1}{3} & 2 \\ 0 & 2\sqrt{2} \end{pmatrix}}", PMATRIX, 1.0),
         (rf"\boxed{{{PMATRIX}}}", r"\begin{pmatrix} \frac{-1}{3} & 2 \\ 0 & 2\sqrt{2} \end{pmatrix}", 1.0),
         (r"\boxed{\begin{bmatrix} -\dfrac13 & 2 \\ 0 & \sqrt{8} \end{bmatrix}}", PMATRIX, 1.0),
+        (rf"\boxed{{{PMATRIX}}}", r"\begin{bmatrix} \frac{-1}{3} & 2 \\ 0 & 2\sqrt{2} \end{bmatrix}", 1.0),
+        (r"\boxed{\begin{bmatrix} \frac{-1}{3} & 2 \\ 0 & 3 \end{bmatrix}}", PMATRIX, 0.0),
         (r"<answer>\begin{pmatrix} 2 \\ -1 \\ \end{pmatrix}</answer>", r"\begin{pmatrix} 2 \\ -1 \end{pmatrix}", 1.0),
         (r"\boxed{\begin{pmatrix} \frac{1}{3} & 2 \\ 0 & \sqrt{8} \end{pmatrix}}", PMATRIX, 0.0),
         (r"\boxed{\begin{pmatrix} 2 & -\frac{1}{3} \\ 0 & \sqrt{8} \end{pmatrix}}", PMATRIX, 0.0),
@@ -54,6 +56,9 @@ TABLE: dict[str, list[tuple[str, str, float]]] = {
         (r"\boxed{1 + \sqrt{19}, 1 - \sqrt{19}}", r"1 \pm \sqrt{19}", 1.0),
         (r"\boxed{1 - \sqrt{19}, 1 + \sqrt{19}}", r"1 \pm \sqrt{19}", 1.0),
         (r"\boxed{x = 1 \pm \sqrt{19}}", r"1 + \sqrt{19}, 1 - \sqrt{19}", 1.0),
+        (r"\boxed{1 \pm \sqrt{19}}", r"1 - \sqrt{19}, 1 + \sqrt{19}", 1.0),
+        (r"\boxed{1 \pm \sqrt{19}}", r"1 + \sqrt{19}", 0.0),
+        (r"\boxed{1 \pm \sqrt{19}}", r"1 + \sqrt{19}, 1 - \sqrt{17}", 0.0),
         (r"\boxed{\pm 3}", r"3, -3", 1.0),
         (r"\boxed{1 + \sqrt{19}}", r"1 \pm \sqrt{19}", 0.0),
         (r"\boxed{1 \pm \sqrt{17}}", r"1 + \sqrt{19}, 1 - \sqrt{19}", 0.0),
@@ -97,6 +102,17 @@ TABLE: dict[str, list[tuple[str, str, float]]] = {
     "units with exponents": [
         (r"\boxed{15}", r"15\mbox{ cm}^2", 1.0),
         (r"\boxed{225}", r"15\mbox{ cm}^2", 0.0),  # the wrong acceptance of issue #17
+        (r"\boxed{15\mbox{ cm}^2}", r"15", 1.0),
+        (r"\boxed{15\mbox{ cm}^2}", r"225", 0.0),
+        (r"\boxed{15\mbox{ cm}^2}", r"15\mbox{ cm}^2", 1.0),
+        (r"\boxed{15}", r"15\text{cm}^2", 1.0),
+        (r"\boxed{225}", r"15\text{cm}^2", 0.0),
+        (r"\boxed{864 \mbox{ inches}^2}", r"864", 1.0),
+        (r"\boxed{864 \mbox{ inches}^2}", r"746496", 0.0),
+        (r"\boxed{5}", r"5\mbox{ m}^3", 1.0),
+        (r"\boxed{5\mbox{ m}^3}", r"125", 0.0),
+        (r"\boxed{15 \text{ cm}^2}", r"15\mbox{ cm}^2", 1.0),
+        (r"\boxed{16 \text{ cm}^2}", r"15\mbox{ cm}^2", 0.0),
         (r"\boxed{15\text{ cm}^2}", r"15", 1.0),
         (r"\boxed{15 \text{cm}^{2}}", r"225", 0.0),
         (r"\boxed{864}", r"864 \mbox{ inches}^2", 1.0),
@@ -183,6 +199,9 @@ TABLE: dict[str, list[tuple[str, str, float]]] = {
         (r"\boxed{30 degrees}", r"30^{\circ}", 1.0),
         (r"\boxed{\frac{\pi}{6}}", r"30^\circ", 0.0),  # no conversion between degrees and radians
         (r"\boxed{60^\circ}", r"30", 0.0),
+        (r"\boxed{90^{\circ}}", r"90", 1.0),
+        (r"\boxed{1}", r"90^\circ", 0.0),  # ^\circ is removed whole, never read as a power
+        (r"\boxed{30^\circ}", r"900", 0.0),
     ],
     "numbers in another base": [
         (r"\boxed{52_8}", r"52_8", 1.0),
@@ -377,6 +396,10 @@ def test_math_verify_backend_without_the_package_names_the_extra(monkeypatch, ba
             RewardSpec("math_accuracy", kwargs={"backend": backend}).build()
         message = str(err.value)
         assert "\n" not in message and "math-verify" in message and "pip install 'grpo_lightning[math]'" in message
+        with pytest.raises(RewardError) as err:  # called directly, without RewardSpec: the same line
+            math_accuracy([""], [r"\boxed{2}"], answer=["3"], backend=backend)
+        assert str(err.value) == message
+        assert math_accuracy([""], [r"\boxed{2}"], answer=["2"], backend="builtin") == [1.0]  # builtin needs nothing
     finally:
         backends._math_verify_missing.cache_clear()
 
