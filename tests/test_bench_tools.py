@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -27,3 +29,20 @@ def test_bench_trl_times_trl_steps_when_installed(tmp_path):
     bench_trl.build_assets(settings, tmp_path)
     result = bench_trl.run_trl(settings, tmp_path)
     assert result["s_per_step"] > 0
+
+
+# ------------------------------------------------------------------------------------------ bench_math_reward
+def test_bench_math_reward_runs_on_the_sample_files(capsys):
+    import bench_math_reward
+
+    data = Path(__file__).parent / "data"
+    rows = [json.loads(line) for line in (data / "math_sample.jsonl").open()]
+    cases = bench_math_reward.math_cases(rows)
+    assert {expected for _, _, expected in cases} == {0.0, 1.0}
+    assert ("So the answer is $\\boxed{-10}$.", "10", 0.0) in cases  # a sign flip among the wrong answers
+    bench_math_reward.main([str(data / "gsm8k_sample.jsonl"), "--math", str(data / "math_sample.jsonl"),
+                            "--backends", "builtin"])  # fmt: skip
+    lines = [line for line in capsys.readouterr().out.splitlines() if "| builtin |" in line]
+    # GSM8K sample, MATH sample, the hand-written table: no wrong answer rewarded, no right one missed.
+    assert len(lines) == 3 and all("| 100.00% | 0 / " in line for line in lines)
+    assert all(re.search(r"\| 0 / \d+ \| 0 / \d+ \| [\d.]+ \|$", line) for line in lines)

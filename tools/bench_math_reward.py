@@ -11,8 +11,10 @@ Cases, each a completion with the verdict it should get:
   ``#### N`` with N rewritten: ``1,234``, ``\\$1234``, ``1234.00``) and three wrong ones (N + 1, 10 × N, and the
   answer of the next problem whose answer differs), all scored against the gold solution.
 * MATH-style files (``--math``, repeatable; jsonl with ``problem``, ``solution`` and ``answer``, or the answer in the
-  solution's last ``\\boxed{}``): the solution itself and the R1 layout with its answer (right); another problem's
-  answer (a different string) and, for a number, N + 1 (wrong).
+  solution's last ``\\boxed{}``): the solution itself, the R1 layout with its answer and the answer rewritten in
+  an equal form (right); another problem's answer (a different string), for a number N + 1 and -N, for a number
+  with a unit and an exponent (``15\\mbox{ cm}^2``) the number raised to it, a point or interval with its items
+  swapped, an "all solutions" list with one dropped, a matrix with an entry changed (wrong).
 * the equivalence table of ``tests/test_math_equivalence.py`` (``--no-table`` leaves it out).
 
 Every backend runs cold: cached verdicts forgotten, the math-verify worker restarted and warmed up on an unrelated
@@ -143,6 +145,11 @@ def math_cases(rows: list[dict]) -> list[Case]:
         number = to_number(answer)
         if number is not None:
             cases.append((f"So the answer is $\\boxed{{{_plain(number[0] + 1)}}}$.", answer, 0.0))
+            if number[0] != 0:
+                cases.append((f"So the answer is $\\boxed{{{_plain(-number[0])}}}$.", answer, 0.0))  # sign flipped
+        if match := re.fullmatch(r"(\d+)\s*\\(?:text|mbox)\{[^{}]*\}\^\{?([23])\}?", answer.strip()):
+            power = int(match.group(1)) ** int(match.group(2))  # "15\mbox{ cm}^2": 225 is wrong
+            cases.append((f"So the answer is $\\boxed{{{power}}}$.", answer, 0.0))
         if (spoiled := spoil(answer, row["problem"])) is not None:
             cases.append((f"<answer>{spoiled}</answer>", answer, 0.0))
     return cases
