@@ -239,8 +239,15 @@ def is_equivalent(pred: str | None, ref: str | None, timeout_s: float = 2.0) -> 
         _BUDGET.deadline = outer
 
 
+# A label needs one of these (normalize reads ∈ as \in); without any, the labelled forms are the plain ones and
+# the common case is spared two normalisations.
+_LABEL_SIGNS = ("=", "\\in", "∈")
+
+
 def _check(pred: str, ref: str, timeout_s: float) -> bool:
     plain = normalize(pred), normalize(ref)
+    if not any(sign in x for x in (pred, ref) for sign in _LABEL_SIGNS):
+        return _equivalent(*plain, timeout_s)
     labelled = normalize(pred, keep_label=True), normalize(ref, keep_label=True)
     if None not in (labels := [label_of(x) for x in labelled]) and labels[0] != labels[1]:
         return _equivalent(*labelled, timeout_s)  # "y = 3" is not "x = 3": both labels must be the same letter
@@ -287,8 +294,9 @@ def _equivalent(p: str, r: str, timeout_s: float) -> bool:
 
 
 def clear_caches() -> None:
-    """Forget every cached verdict and stop the worker processes (for benchmarks: each run starts cold)."""
+    """Forget every cached verdict and normalised answer, stop the worker processes (benchmarks start cold)."""
     _equivalent.cache_clear()
+    normalize.cache_clear()
     _WORKER.stop()
     stop_worker()
 

@@ -12,6 +12,7 @@ The policy behind these choices is written down in ``docs/rewards.md`` ("What an
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 
@@ -63,6 +64,7 @@ def label_of(s: str) -> str | None:
     return re.search(r"[a-zA-Z](?=\}?\s*(?:_|=|\\in))", _LABEL.match(s).group(0)).group(0)
 
 
+@functools.lru_cache(maxsize=8192)  # a reference is normalised once for all the completions of its prompt
 def normalize(answer: str, keep_label: bool = False) -> str:
     """A canonical string for an answer: delimiters, ``$``, spacing, units, degrees, labels and ``\\text`` removed.
 
