@@ -65,7 +65,7 @@ def test_gsm8k_gold_solutions_score_against_their_own_answer_only() -> None:
     rows = read_jsonl(GSM8K_TEST)
     own, other, neighbour = gsm8k_rates(rows)
     print(f"GSM8K ({len(rows)} rows): own {own:.2%} = 1.0, other {other:.2%} = 0.0, neighbour {neighbour:.2%} = 0.0")
-    assert own >= 0.995 and other >= 0.995
+    assert own == 1.0 and other == 1.0  # issue #17: 100%, both ways
 
 
 @pytest.mark.skipif(not GSM8K_TEST.exists(), reason=f"no GSM8K test set at {GSM8K_TEST}")

@@ -1,25 +1,16 @@
-"""Structured math answers (issue #17): the equivalence table by answer form, and the math-verify backend.
+"""Structured math answers (issue #17): the hand-written equivalence table, one group of rows per answer form.
 
 Every row is (completion, reference, expected reward), written out by hand; each group has right answers written
-differently (both directions where it applies) and wrong answers beside them, none of which may be rewarded.
+differently (both directions where it applies) and wrong answers beside them, none of which may be rewarded. The
+policy the groups follow is in docs/rewards.md ("What an answer's form implies"); ``tools/bench_math_reward.py``
+scores every backend on these rows.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-
 import pytest
 
-from grpo_lightning.rewards import RewardError, RewardSpec
-from grpo_lightning.rewards import math_backends as backends
-from grpo_lightning.rewards.combine import call_with_time_limit, time_limit
-from grpo_lightning.rewards.math import is_equivalent, math_accuracy
+from grpo_lightning.rewards.math import math_accuracy
 
 PMATRIX = r"\begin{pmatrix} -\frac{1}{3} & 2 \\ 0 & \sqrt{8} \end{pmatrix}"
 
@@ -79,6 +70,9 @@ TABLE: dict[str, list[tuple[str, str, float]]] = {
         (r"\boxed{y = 3}", r"x = 3", 0.0),  # two labels: the same letter (x = 3 and y = 3 are different lines)
         (r"\boxed{x = 3}", r"y = 3", 0.0),
         (r"\boxed{t \in [0, 1]}", r"x \in [0, 1]", 0.0),
+        (r"\boxed{x ∈ [-2, 7]}", r"[-2, 7]", 1.0),  # the Unicode sign is the same label
+        (r"\boxed{t ∈ [0, 1]}", r"x \in [0, 1]", 0.0),
+        (r"\boxed{x ∈ [0, 1]}", r"t ∈ [0, 1]", 0.0),
         (r"\boxed{x = -2}", r"2", 0.0),
     ],
     "spacing inside numbers": [
@@ -131,6 +125,8 @@ TABLE: dict[str, list[tuple[str, str, float]]] = {
     ],
     "unordered answers": [
         (r"\boxed{7, 5, 3}", r"3, 5, 7", 1.0),
+        (r"\boxed{3, 5, 7}", r"7, 5, 3", 1.0),
+        (r"\boxed{3, 5, 7}", r"\{7, 5, 3\}", 1.0),
         (r"\boxed{\{7, 3, 5\}}", r"3, 5, 7", 1.0),
         (r"\boxed{x = 3, x = 5}", r"5, 3", 1.0),
         (r"\boxed{3, 5}", r"3, 5, 7", 0.0),
@@ -281,127 +277,8 @@ def test_equivalence_by_answer_form(group: str, completion: str, reference: str,
     assert math_accuracy([""], [completion], answer=[reference]) == [expected], group
 
 
-def test_gsm8k_sample_scores_exactly() -> None:
-    rows = [json.loads(line) for line in (Path(__file__).parent / "data" / "gsm8k_sample.jsonl").open()]
-    solutions = [row["answer"] for row in rows]
-    own = math_accuracy([""] * len(rows), solutions, answer=solutions)
-    other = math_accuracy([""] * len(rows), solutions, answer=solutions[1:] + solutions[:1])
-    assert own == [1.0] * len(rows) and other == [0.0] * len(rows)
-
-
-def _gsm8k_test_file() -> Path:
-    """``$GRPO_SHARED_DIR/data/gsm8k/test.jsonl``, else the ``shared/`` folder beside the repository."""
-    if os.environ.get("GRPO_SHARED_DIR"):
-        return Path(os.environ["GRPO_SHARED_DIR"]) / "data" / "gsm8k" / "test.jsonl"
-    return Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
-
-
-@pytest.mark.skipif(not _gsm8k_test_file().exists(), reason="no GSM8K test set in shared/")
-def test_gsm8k_gold_solutions_score_one_against_their_answer_and_zero_against_others() -> None:
-    solutions = [json.loads(line)["answer"] for line in _gsm8k_test_file().open() if line.strip()]
-    finals = [s.rsplit("####", 1)[1].strip().replace(",", "") for s in solutions]
-    n = len(solutions)
-    others = [solutions[next(k % n for k in range(i + 1, i + n) if finals[k % n] != finals[i])] for i in range(n)]
-    assert math_accuracy([""] * n, solutions, answer=solutions) == [1.0] * n
-    assert math_accuracy([""] * n, solutions, answer=others) == [0.0] * n
-
-
-def test_a_check_with_many_slow_parts_stays_within_its_time_limit() -> None:
-    slow = r"\tan(x+y+z)^{4}"
-    many = ", ".join(f"{slow} + {i}" for i in range(40))
-    start = time.monotonic()
-    assert is_equivalent(many, ", ".join(rf"\sin(x) + {i}" for i in range(40)), timeout_s=0.5) is False
-    # A hang guard, not a speed test: unbounded, the 40 parts take minutes; 20x the limit absorbs a loaded machine.
-    assert time.monotonic() - start < 20 * 0.5
-
-
-# Answers that, unguarded, hang a check or run it for minutes: a huge power (refused, or stopped at the limit), deep
-# nesting (parsed in linear time; too deep for sympy's parser or for Python's recursion: not equivalent), a slow
-# simplification, and an answer past MAX_ANSWER_CHARS (compared as text only). (completion, reference, expected).
-PATHOLOGICAL = [
-    (r"\boxed{10^{10^{10}}}", "1", 0.0),
-    (r"\boxed{9^{9^{9^{9}}}}", "1", 0.0),
-    (r"\boxed{(10^{9999})^{9999}}", "1", 0.0),  # each exponent allowed, the value a 10^8-digit number
-    (r"\boxed{2^{10000} \cdot 2^{10000} \cdot 2^{10000}}", "1", 0.0),
-    ("\\boxed{" + "\\frac{1}{" * 200 + "2" + "}" * 200 + "}", "1", 0.0),
-    ("\\boxed{" + "\\sqrt{" * 250 + "2" + "}" * 250 + "}", "1", 0.0),
-    ("\\boxed{" + "(1," * 300 + "2" + ")" * 300 + "}", "(1," * 300 + "3" + ")" * 300, 0.0),
-    ("\\boxed{" + "(" * 900 + "1" + ")" * 900 + "}", "2", 0.0),
-    (r"\boxed{\sin(\sin(\sin(\sin(\sin(\sin(x+y+z)^{7})^5)^3)))}", r"\cos(x)", 0.0),
-    (r"\boxed{(x+y+z+w)^{200}}", r"(w+x+y+z)^{200} + 1", 0.0),
-    ("\\boxed{" + "1" * 100_000 + "}", "1" * 99_999 + "2", 0.0),
-    ("\\boxed{" + "\\frac{1}{" * 3000 + "2" + "}" * 3000 + "}", "1", 0.0),
-]
-
-
-@pytest.mark.parametrize(("backend", "in_thread"), [("builtin", False), ("builtin", True), ("math_verify", False)])
-def test_pathological_answers_finish_within_the_time_limit(backend: str, in_thread: bool) -> None:
-    """Each check ends by its limit (SIGALRM in the main thread, a killed worker process elsewhere and for
-    math-verify). Before each, a fresh easy check waits for a worker killed by the previous case to be back."""
-    if backend != "builtin":
-        pytest.importorskip("math_verify")
-    limit, took, verdicts = 0.5, [], []
-
-    def run() -> None:
-        for i, (completion, reference, _) in enumerate(PATHOLOGICAL):
-            warm = math_accuracy(
-                [""], [rf"\boxed{{{i + 2}x}}"], answer=[f"x + {i + 1}x"], backend=backend, timeout_s=60
-            )
-            assert warm == [1.0]
-            start = time.monotonic()
-            verdicts.append(math_accuracy([""], [completion], answer=[reference], backend=backend, timeout_s=limit)[0])
-            took.append(time.monotonic() - start)
-
-    if in_thread:
-        thread = threading.Thread(target=run)
-        thread.start()
-        thread.join(600)
-    else:
-        run()
-    assert verdicts == [row[2] for row in PATHOLOGICAL]
-    # A hang guard, not a speed test: the limit plus 3 s for a loaded machine (unguarded: minutes, or never).
-    assert max(took) < limit + 3.0, [f"{t:.2f}" for t in took]
-
-
-# ----------------------------------------------------------------------------------------- backends
-def test_unknown_backend_is_refused_when_the_reward_is_built() -> None:
-    with pytest.raises(RewardError, match="unknown backend 'sympy'; use one of builtin, math_verify, either"):
-        RewardSpec("math_accuracy", kwargs={"backend": "sympy"}).build()
-    with pytest.raises(RewardError, match="unknown extraction mode"):
-        RewardSpec("math_accuracy", kwargs={"modes": ["boxed", "nope"]}).build()
-    assert RewardSpec("math_accuracy", kwargs={"backend": "builtin"}).build()([""], ["\\boxed{2}"], answer=["2"]) == [
-        1.0
-    ]
-
-
-@pytest.mark.parametrize("backend", ["math_verify", "either"])
-def test_math_verify_backend_without_the_package_names_the_extra(monkeypatch, backend: str) -> None:
-    monkeypatch.setitem(sys.modules, "math_verify", None)  # makes ``import math_verify`` fail
-    backends._math_verify_missing.cache_clear()
-    try:
-        with pytest.raises(RewardError) as err:
-            RewardSpec("math_accuracy", kwargs={"backend": backend}).build()
-        message = str(err.value)
-        assert "\n" not in message and "math-verify" in message and "pip install 'grpo_lightning[math]'" in message
-        with pytest.raises(RewardError) as err:  # called directly, without RewardSpec: the same line
-            math_accuracy([""], [r"\boxed{2}"], answer=["3"], backend=backend)
-        assert str(err.value) == message
-        assert math_accuracy([""], [r"\boxed{2}"], answer=["2"], backend="builtin") == [1.0]  # builtin needs nothing
-    finally:
-        backends._math_verify_missing.cache_clear()
-
-
 def _scores(backend: str, rows: list[tuple[str, str, str, float]]) -> list[float | None]:
     return math_accuracy([""] * len(rows), [r[1] for r in rows], answer=[r[2] for r in rows], backend=backend)
-
-
-def test_math_verify_backend_reads_our_extracted_answers() -> None:
-    pytest.importorskip("math_verify")
-    completions = ["<answer>18</answer>", "#### 1,000", "The answer is $\\frac{1}{2}$.", "<answer>17</answer>"]
-    references = ["18", "1000", "0.5", "18"]
-    for backend in ("math_verify", "either"):
-        scores = math_accuracy([""] * 4, completions, answer=references, backend=backend)
-        assert scores == [1.0, 1.0, 1.0, 0.0], backend
 
 
 # Where math-verify's policy differs from ours (docs/rewards.md): it reads a list or set as a tuple, matches an
@@ -428,34 +305,3 @@ def test_either_backend_rewards_every_right_answer_of_the_table() -> None:
     assert [row[1:3] for row, got in zip(ROWS, scores, strict=True) if row[3] == 1.0 and got != 1.0] == []
     accepted_wrong = {row[1:3] for row, got in zip(ROWS, scores, strict=True) if row[3] == 0.0 and got != 0.0}
     assert accepted_wrong == MATH_VERIFY_ACCEPTS
-
-
-def test_math_verify_backend_from_threads_stays_within_its_time_limit() -> None:
-    pytest.importorskip("math_verify")
-    slow = (r"\boxed{\tan(x+y+z)^{4} + 7}", r"\sin(x) + 7")  # math-verify takes seconds on it
-
-    def check(i: int) -> list[float | None]:
-        completions = [rf"\boxed{{{i + 2}/4}}", slow[0] if i == 0 else rf"\boxed{{{i}}}"]
-        return math_accuracy([""] * 2, completions, answer=[f"{(i + 2) / 4}", slow[1] if i == 0 else str(i)],
-                             backend="math_verify", timeout_s=0.5)  # fmt: skip
-
-    start = time.monotonic()
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        results = list(pool.map(lambda i: call_with_time_limit(check, 60.0, i), range(3)))
-    assert results == [[1.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
-    assert time.monotonic() - start < 30.0  # worker start-ups included; the slow check alone is cut at 0.5 s
-
-
-def test_math_verify_backend_in_the_main_thread_keeps_an_enclosing_time_limit() -> None:
-    pytest.importorskip("math_verify")
-    assert threading.current_thread() is threading.main_thread()
-    with time_limit(60.0):
-        import signal
-
-        before = signal.getitimer(signal.ITIMER_REAL)[0]
-        assert math_accuracy([""], [r"\boxed{\frac{6}{8}}"], answer=["0.75"], backend="math_verify") == [1.0]
-        assert math_accuracy([""], [r"\boxed{9^{9^{9^{9}}}}"], answer=["1"], backend="math_verify", timeout_s=1.0) == [
-            0.0
-        ]
-        after = signal.getitimer(signal.ITIMER_REAL)[0]
-        assert 0 < after < before  # still armed, still counting down
