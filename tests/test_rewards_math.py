@@ -201,6 +201,10 @@ def test_extract_answer_modes() -> None:
     assert extract_answer("so 12 apples, then 15") is None
     assert extract_answer("so 12 apples, then 1,500.", last_number=True) == "1,500"
     assert extract_answer("#### 7\n") == "7"
+    assert extract_answer("<ANSWER> 5 </Answer>") == "5"
+    assert extract_answer("<answer>so: <answer>6</answer>") == "6"  # nested: the innermost
+    assert extract_answer("<answer>8</answer> then </answer>") == "8"
+    assert extract_answer("</answer> <answer>9") is None
     assert extract_answer("The answer is: 9") == "9"
     with pytest.raises(ValueError, match="unknown extraction mode"):
         extract_answer("x", modes=("nope",))

@@ -10,7 +10,7 @@ import re
 
 DEFAULT_MODES = ("answer_tag", "boxed", "hashes", "answer_is")
 
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+_OPEN_TAG, _CLOSE_TAG = re.compile("<answer>", re.IGNORECASE), re.compile("</answer>", re.IGNORECASE)
 _HASHES = re.compile(r"####[ \t]*([^\n]+)")
 _ANSWER_IS = re.compile(r"\banswer\s*(?:is\s*:?|:|=)", re.IGNORECASE)
 _BRACE = re.compile(r"[{}]")
@@ -58,8 +58,14 @@ def _answer_is(text: str) -> str | None:
 
 
 def _from_tag(text: str) -> str | None:
-    tags = _ANSWER_TAG.findall(text)
-    return (last_boxed(tags[-1]) or tags[-1].strip()) if tags else None
+    # The last <answer> that a </answer> closes, found in linear time: a lazy "<answer>(.*?)</answer>" scans to the
+    # end of the text from every unclosed tag (a completion repeating "<answer>" took seconds, outside any limit).
+    closes = list(_CLOSE_TAG.finditer(text))
+    opens = list(_OPEN_TAG.finditer(text, 0, closes[-1].start())) if closes else []
+    if not opens:
+        return None
+    tag = text[opens[-1].end() : _CLOSE_TAG.search(text, opens[-1].end()).start()]
+    return last_boxed(tag) or tag.strip()
 
 
 def _from_hashes(text: str) -> str | None:
