@@ -283,7 +283,8 @@ def _scores(backend: str, rows: list[tuple[str, str, str, float]]) -> list[float
 
 # Where math-verify's policy differs from ours (docs/rewards.md): it reads a list or set as a tuple, matches an
 # equation to its multiples, ignores a base subscript, accepts a decimal approximation of an irrational value, ignores
-# the case of letters and drops ``x =`` before an expression in x. ``either`` inherits these acceptances.
+# the case of letters, drops ``x =`` before an expression in x and ignores which letter is before a Unicode ``∈``.
+# ``either`` inherits these acceptances.
 MATH_VERIFY_ACCEPTS = {
     (r"\boxed{X}", r"x"),
     (r"\boxed{E}", r"e"),
@@ -296,6 +297,7 @@ MATH_VERIFY_ACCEPTS = {
     (r"\boxed{\{1, 2\}}", r"(1, 2)"),
     (r"\boxed{4x + 6y = 12}", r"2x + 3y = 6"),
     (r"\boxed{52_8}", r"52"),
+    (r"\boxed{x ∈ [0, 1]}", r"t ∈ [0, 1]"),  # with the Unicode sign on both sides, the letters are not compared
 }
 
 
