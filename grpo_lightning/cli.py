@@ -205,6 +205,12 @@ def place_run_folders(trainer: Any) -> None:
     root = trainer.get("default_root_dir") if trainer is not None else None
     if not root:
         return
+    try:  # a folder the run cannot write would otherwise fail at the first checkpoint, after training
+        os.makedirs(root, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(
+            f"trainer.default_root_dir: cannot create {root} ({err.strerror}); choose a folder this user can write"
+        ) from None
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     callbacks, loggers = trainer.get("callbacks") or [], trainer.get("logger")

@@ -180,6 +180,10 @@ CATALOGUE = {
     "negative_limit_val_batches": (setting("trainer.limit_val_batches", -1), "trainer.limit_val_batches: "),
     "unknown_clip_algorithm": (setting("trainer.gradient_clip_algorithm", "bogus"), "trainer.gradient_clip_algorithm"),
     "unknown_precision": (setting("trainer.precision", "17"), "trainer.precision: got '17'; expected one of 64,"),
+    "unwritable_root_dir": (
+        setting("trainer.default_root_dir", "/proc/no_such_dir"),
+        "trainer.default_root_dir: cannot create",
+    ),
     # Callbacks' own settings.
     "console_samples_0": (callback("ConsoleSamples", num_samples=0), "ConsoleSamples.num_samples must be >= 1"),
     "completions_every_0": (callback("CompletionsTable", every_n_rounds=0), "CompletionsTable.every_n_rounds"),
