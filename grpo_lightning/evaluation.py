@@ -19,6 +19,7 @@ from lightning import LightningModule
 from torchmetrics import MeanMetric
 
 from grpo_lightning.config import EvalConfig, SamplingConfig
+from grpo_lightning.environments.base import Environment
 from grpo_lightning.metrics import MajorityAtK, PassAtK, resolve_answer_fn
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.policy import EngineHandle, PolicySide
@@ -45,8 +46,10 @@ class HeldOutSampler:
         config: EvalConfig,
         seed: int,
         rank: int = 0,
+        environment: Environment | None = None,
     ) -> None:
         self.module, self.engine, self.encoder, self.scorer = module, engine, encoder, scorer
+        self.environment = environment  # multi-turn: held-out trajectories run against it too
         self.sampling, self.config, self.seed, self.rank = sampling, config, seed, rank
         self.answer_fn = resolve_answer_fn(config.answer_fn)
 
@@ -55,7 +58,13 @@ class HeldOutSampler:
         columns = {key: [row[key] for _, row in rows] for key in rows[0][1]}
         module = self.module()
         engine, encoder = self.engine.get(module), self.encoder()
-        common = {"engine": engine, "encoder": encoder, "scorer": self.scorer, "device": module.device}
+        common = {
+            "engine": engine,
+            "encoder": encoder,
+            "scorer": self.scorer,
+            "device": module.device,
+            "environment": self.environment,
+        }
         with torch.no_grad(), module.rollout_context():
             greedy = sample_and_score(columns, params=self.sampling.params(greedy=True, group_size=1), **common)
             out: dict[str, Any] = {
