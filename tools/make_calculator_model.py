@@ -62,13 +62,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch_size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--hidden_size", type=int, default=128)
+    parser.add_argument("--num_layers", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     tokenizer = build_char_tokenizer()
-    model = build_tiny_llama(TinyModelConfig(hidden_size=128, num_layers=4, intermediate_size=256), tokenizer)
+    config = TinyModelConfig(
+        hidden_size=args.hidden_size, num_layers=args.num_layers, intermediate_size=2 * args.hidden_size
+    )
+    model = build_tiny_llama(config, tokenizer)
     train_pairs = multiplication_pairs()["train"]  # the held-out pairs are never seen
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
@@ -98,7 +103,7 @@ def main() -> None:
         optimizer.step()
         schedule.step()
         optimizer.zero_grad()
-        if step % 250 == 0 or step == args.steps - 1:
+        if step % 50 == 0 or step == args.steps - 1:
             print(f"step {step:5d}  loss {loss.item():.4f}  {time.time() - start:.0f}s", flush=True)
 
     model.save_pretrained(args.out)

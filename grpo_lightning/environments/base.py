@@ -56,9 +56,11 @@ class Environment(ABC):
         """
         for name, value in (("max_turns", max_turns), ("max_observation_tokens", max_observation_tokens)):
             if value < 1:
-                raise ConfigError(f"data.environment.{name} must be >= 1 (got {value})")
+                raise ConfigError(f"data.environment.init_args.{name} must be >= 1 (got {value})")
         if max_turn_tokens is not None and max_turn_tokens < 1:
-            raise ConfigError(f"data.environment.max_turn_tokens must be >= 1 or null (got {max_turn_tokens})")
+            raise ConfigError(
+                f"data.environment.init_args.max_turn_tokens must be >= 1 or null (got {max_turn_tokens})"
+            )
         self.max_turns, self.max_turn_tokens = max_turns, max_turn_tokens
         self.max_observation_tokens = max_observation_tokens
 

@@ -17,6 +17,7 @@ import ast
 import importlib
 import math
 import operator
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,7 @@ _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_EXPONENT = 1000
 MAX_DIGITS = 1000
 MAX_EXPRESSION_CHARS = 500
+_LEADING_ZEROS = re.compile(r"(?<![\d.])0+(?=\d)")
 
 
 def _evaluate(node: ast.AST) -> int | float:
@@ -81,7 +83,8 @@ def calculator(expression: str) -> str:
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise ToolError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
     try:
-        tree = ast.parse(expression.replace("^", "**"), mode="eval")
+        # Leading zeros ("0639") are fine on a calculator, a syntax error in Python: dropped first.
+        tree = ast.parse(_LEADING_ZEROS.sub("", expression.replace("^", "**")), mode="eval")
     except SyntaxError:
         raise ToolError(f"cannot parse {expression!r}") from None
     value = _evaluate(tree)
