@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 from grpo_lightning.config import AdvantageConfig, ConfigError, EvalConfig, SamplingConfig
 from grpo_lightning.engines import RolloutEngine
 from grpo_lightning.environments.base import Environment, check_environment
-from grpo_lightning.evaluation import HeldOutSampler
+from grpo_lightning.evaluation import held_out_loader
 from grpo_lightning.rewards import RewardSpec
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.batch import RolloutBatch
@@ -388,30 +388,3 @@ class LazyRound(torch.utils.data.Dataset):
             if len(self.batches) != self.length:  # the settings fix the count; a mismatch is a bug
                 raise RuntimeError(f"the round made {len(self.batches)} micro-batches, {self.length} were planned")
         return self.batches[index]
-
-
-def held_out_loader(datamodule: Any, data: Dataset, batch_size: int) -> DataLoader:
-    """The held-out prompts of this rank, generated and scored batch by batch (``HeldOutSampler``).
-
-    ``datamodule`` provides ``trainer``, ``policy_side``, ``engine``, ``encoder``, ``scorer``, ``sampling``,
-    ``eval`` and ``seed`` (``RolloutDataModule`` and ``SFTDataModule`` do), and ``environment`` when it has one.
-    """
-    trainer = datamodule.trainer
-    rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-    # Contiguous shards, sized as ``datasets.Dataset.shard(contiguous=True)`` sizes them.
-    size, extra = divmod(len(data), world)
-    start = size * rank + min(rank, extra)
-    indices = range(start, start + size + (rank < extra))
-    sampler = HeldOutSampler(
-        module=lambda: datamodule.policy_side,
-        engine=datamodule.engine,
-        encoder=datamodule.encoder,
-        scorer=datamodule.scorer,
-        sampling=datamodule.sampling,
-        config=datamodule.eval,
-        seed=datamodule.seed,
-        rank=rank,
-        environment=getattr(datamodule, "environment", None),
-    )
-    rows = [(i, data[i]) for i in indices]
-    return DataLoader(rows, batch_size=batch_size, shuffle=False, collate_fn=sampler)
