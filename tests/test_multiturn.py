@@ -26,8 +26,9 @@ class ScriptedEngine(RolloutEngine):
 
     name = "scripted"
 
-    def __init__(self, tokenizer, script, honour_stops: bool = False) -> None:
+    def __init__(self, tokenizer, script, honour_stops: bool = False, odd_token: bool = False) -> None:
         super().__init__()
+        self.odd_token = odd_token
         self.tokenizer, self.script, self.honour_stops = tokenizer, script, honour_stops
         self.eos_token_id, self.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
         self.policy = object()
@@ -40,7 +41,12 @@ class ScriptedEngine(RolloutEngine):
             context = ids[mask.bool()].tolist()
             self.contexts.append(context)
             text = self.script(self.tokenizer.decode(context))
-            out = self.tokenizer(text, add_special_tokens=False)["input_ids"][: params.max_new_tokens]
+            out = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if self.odd_token and len(out) > 3:
+                # A token whose text is empty (decoded without special tokens): re-tokenizing the text of the
+                # trajectory would lose it, so only a rollout in token space keeps it in the next context.
+                out = out[:3] + [self.tokenizer.unk_token_id] + out[3:]
+            out = out[: params.max_new_tokens]
             if self.honour_stops:
                 out = out[: int(stop_lengths(torch.tensor([out]), params.stop_sequences).clamp(max=len(out))[0])]
             rows.append(out)
@@ -66,9 +72,11 @@ def calculator_policy(context: str) -> str:
     return f"<tool>calculator: {expression}</tool>and then some babble"  # past the close tag: cut there
 
 
-def run(script, *, max_new_tokens=96, honour_stops=False, prompts=("12*34=", "5*6="), group=2, **env_kwargs):
+def run(
+    script, *, max_new_tokens=96, honour_stops=False, odd_token=False, prompts=("12*34=", "5*6="), group=2, **env_kwargs
+):
     tokenizer = build_char_tokenizer()
-    engine = ScriptedEngine(tokenizer, script, honour_stops)
+    engine = ScriptedEngine(tokenizer, script, honour_stops, odd_token)
     env = ToolEnvironment(tools=["calculator"], format="tag", **env_kwargs)
     params = SamplingParams(group_size=group, max_new_tokens=max_new_tokens)
     out = generate_trajectories(
@@ -88,10 +96,11 @@ def ids_of(tokenizer, text):
 
 @pytest.mark.parametrize("honour_stops", [False, True])
 def test_turns_and_observations_concatenate_token_for_token(honour_stops):
-    out, engine, tokenizer = run(calculator_policy, honour_stops=honour_stops)
-    turn1 = ids_of(tokenizer, "<tool>calculator: 12*34</tool>")
+    out, engine, tokenizer = run(calculator_policy, honour_stops=honour_stops, odd_token=True)
+    unk = [tokenizer.unk_token_id]
+    turn1 = ids_of(tokenizer, "<to") + unk + ids_of(tokenizer, "ol>calculator: 12*34</tool>")
     obs = ids_of(tokenizer, "<result>408</result>")
-    turn2 = ids_of(tokenizer, "408") + [tokenizer.eos_token_id]
+    turn2 = ids_of(tokenizer, "408") + unk + [tokenizer.eos_token_id]
     expected = turn1 + obs + turn2
     for row in (0, 1):  # the two samples of the first prompt
         n = int(out.completions.completion_mask[row].sum())
