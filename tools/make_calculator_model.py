@@ -1,7 +1,7 @@
 """Make the tool-calling demo's starting model: a tiny Llama after a short cold start on calculator traces.
 
 The traces come from an *unreliable teacher* on the ``multiplication`` task's training prompts (3–4 digit
-products, which a 0.67M-parameter model cannot compute in its head):
+products, which a 0.13M-parameter model cannot compute in its head):
 
 - with probability ``--p_head`` it answers in its head: a number of the right size whose first two digits are
   right and the rest made up (almost always wrong);
@@ -59,11 +59,11 @@ def main() -> None:
     parser.add_argument("--out", default="grpo_lightning/assets/tiny-calc")
     parser.add_argument("--p_head", type=float, default=0.65)
     parser.add_argument("--p_typo", type=float, default=0.2)
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--batch_size", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=1200)
+    parser.add_argument("--batch_size", type=int, default=48)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--hidden_size", type=int, default=128)
-    parser.add_argument("--num_layers", type=int, default=4)
+    parser.add_argument("--hidden_size", type=int, default=64)
+    parser.add_argument("--num_layers", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
