@@ -5,6 +5,7 @@ Split like training: the data side generates and scores, the module side keeps t
 - ``HeldOutSampler`` (used by the DataModules' ``val_dataloader``/``test_dataloader`` as the ``collate_fn``):
   each batch of held-out prompts is decoded greedily and, with ``data.eval.num_samples`` = k > 0, sampled k
   times, with the same ``sample_and_score`` a training round uses; the batch it yields holds the scores.
+- ``held_out_loader``: the DataLoader of a rank's share of the held-out rows, with a ``HeldOutSampler``.
 - ``HeldOutMetrics`` (an attribute of the LightningModule): torchmetrics metrics whose states reduce across
   ranks, updated and logged by ``validation_step`` / ``test_step`` from those scores.
 """
@@ -15,10 +16,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from datasets import Dataset
 from lightning import LightningModule
+from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 
 from grpo_lightning.config import EvalConfig, SamplingConfig
+from grpo_lightning.environments.base import Environment
 from grpo_lightning.metrics import MajorityAtK, PassAtK, resolve_answer_fn
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.policy import EngineHandle, PolicySide
@@ -45,8 +49,10 @@ class HeldOutSampler:
         config: EvalConfig,
         seed: int,
         rank: int = 0,
+        environment: Environment | None = None,
     ) -> None:
         self.module, self.engine, self.encoder, self.scorer = module, engine, encoder, scorer
+        self.environment = environment  # multi-turn: held-out trajectories run against it too
         self.sampling, self.config, self.seed, self.rank = sampling, config, seed, rank
         self.answer_fn = resolve_answer_fn(config.answer_fn)
 
@@ -55,7 +61,13 @@ class HeldOutSampler:
         columns = {key: [row[key] for _, row in rows] for key in rows[0][1]}
         module = self.module()
         engine, encoder = self.engine.get(module), self.encoder()
-        common = {"engine": engine, "encoder": encoder, "scorer": self.scorer, "device": module.device}
+        common = {
+            "engine": engine,
+            "encoder": encoder,
+            "scorer": self.scorer,
+            "device": module.device,
+            "environment": self.environment,
+        }
         with torch.no_grad(), module.rollout_context():
             greedy = sample_and_score(columns, params=self.sampling.params(greedy=True, group_size=1), **common)
             out: dict[str, Any] = {
@@ -127,3 +139,30 @@ class HeldOutMetrics(torch.nn.Module):
                 self.pass_at[name] = PassAtK(int(value)).to(correct.device)
             self.pass_at[name].update(correct.sum(-1), k)
             put(f"pass@{name}", self.pass_at[name], f"pass_at.{name}")
+
+
+def held_out_loader(datamodule: Any, data: Dataset, batch_size: int) -> DataLoader:
+    """The held-out prompts of this rank, generated and scored batch by batch (``HeldOutSampler``).
+
+    ``datamodule`` provides ``trainer``, ``policy_side``, ``engine``, ``encoder``, ``scorer``, ``sampling``,
+    ``eval`` and ``seed`` (``RolloutDataModule`` and ``SFTDataModule`` do), and ``environment`` when it has one.
+    """
+    trainer = datamodule.trainer
+    rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+    # Contiguous shards, sized as ``datasets.Dataset.shard(contiguous=True)`` sizes them.
+    size, extra = divmod(len(data), world)
+    start = size * rank + min(rank, extra)
+    indices = range(start, start + size + (rank < extra))
+    sampler = HeldOutSampler(
+        module=lambda: datamodule.policy_side,
+        engine=datamodule.engine,
+        encoder=datamodule.encoder,
+        scorer=datamodule.scorer,
+        sampling=datamodule.sampling,
+        config=datamodule.eval,
+        seed=datamodule.seed,
+        rank=rank,
+        environment=getattr(datamodule, "environment", None),
+    )
+    rows = [(i, data[i]) for i in indices]
+    return DataLoader(rows, batch_size=batch_size, shuffle=False, collate_fn=sampler)

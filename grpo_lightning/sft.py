@@ -29,14 +29,13 @@ from torch.utils.data import DataLoader
 
 from grpo_lightning.config import ConfigError, EvalConfig, SamplingConfig
 from grpo_lightning.engines import RolloutEngine
-from grpo_lightning.evaluation import HeldOutMetrics
+from grpo_lightning.evaluation import HeldOutMetrics, held_out_loader
 from grpo_lightning.lora import LoraConfig
 from grpo_lightning.models.build import load_tokenizer
 from grpo_lightning.models.policy import attached_trainer, build_policy, context_length, sampling_context
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.rewards import RewardSpec
 from grpo_lightning.rewards.scorer import Scorer
-from grpo_lightning.rollout.datamodule import held_out_loader
 from grpo_lightning.rollout.policy import EngineHandle, PolicySide
 from grpo_lightning.rollout.prompts import PromptEncoder, load_prompts, rename_prompt_column
 

@@ -133,6 +133,24 @@ CATALOGUE = {
     "prompts_per_round_0": (setting("data.prompts_per_round", 0), "data.prompts_per_round"),
     "num_iterations_0": (setting("data.num_iterations", 0), "data.num_iterations must be >= 1"),
     "unknown_engine": (setting("data.engine", "bogus"), "data.engine: unknown engine 'bogus'"),
+    "unknown_tool": (
+        setting(
+            "data.environment",
+            {"class_path": "grpo_lightning.environments.ToolEnvironment", "init_args": {"tools": ["abacus"]}},
+        ),
+        "data.environment.init_args.tools: unknown tool 'abacus'",
+    ),
+    "max_turns_0": (
+        setting(
+            "data.environment",
+            {"class_path": "grpo_lightning.environments.ToolEnvironment", "init_args": {"max_turns": 0}},
+        ),
+        "data.environment.init_args.max_turns must be >= 1",
+    ),
+    "environment_not_an_environment": (
+        setting("data.environment", {"class_path": "grpo_lightning.engines.LeanEngine"}),
+        "data.environment",
+    ),
     "max_nonfinite_skips_0": (setting("model.max_nonfinite_skips", 0), "model.max_nonfinite_skips"),
     "every_n_rounds_0": (setting("trainer.callbacks", ROUND_CHECKPOINT), "every_n_rounds"),
     "reload_every_2_epochs": (setting("trainer.reload_dataloaders_every_n_epochs", 2), "reload_dataloaders"),

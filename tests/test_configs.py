@@ -34,6 +34,7 @@ from grpo_lightning.tasks.arithmetic import addition_pairs, format_prompt
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 TINY_ARITH = ROOT / "grpo_lightning" / "assets" / "tiny-arith"
+TINY_CALC = ROOT / "grpo_lightning" / "assets" / "tiny-calc"
 GSM8K_SAMPLE = ROOT / "tests" / "data" / "gsm8k_sample.jsonl"
 SHIPPED = sorted(
     p.relative_to(CONFIGS).as_posix()
@@ -167,6 +168,12 @@ def stage4(runs: Path) -> None:
     tiny_reward_model(runs / "reward_model")
 
 
+def tools_calculator(work: Path) -> tuple[type, list[str]]:
+    """The multi-turn calculator demo: its own model by absolute path, one small round of tool-calling rollouts."""
+    args = ["--config", str(CONFIGS / "tools_calculator.yaml"), "--model.model_name_or_path", str(TINY_CALC)]
+    return GRPOCLI, [*args, *SMALL_ROUND]
+
+
 SFT_SMALL = ["--data.val_limit", "8"]
 RUNS = {
     "quickstart.yaml": quickstart_with(),
@@ -176,6 +183,7 @@ RUNS = {
     "recipes/gspo.yaml": quickstart_with("recipes/gspo.yaml"),
     "gsm8k_qwen2.5-0.5b.yaml": gsm8k_with(),
     "lora.yaml": gsm8k_with("lora.yaml"),
+    "tools_calculator.yaml": tools_calculator,
     # Stage 1 starts from the shipped model, passed by run_pipeline.sh as BASE.
     "pipeline/1_cold_start_sft.yaml": pipeline_stage(
         "1_cold_start_sft", SFTCLI, stage1, "--model.model_name_or_path", str(TINY_ARITH), *SFT_SMALL

@@ -176,8 +176,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     generator=generator,
                     device=args.device,
                     timings=timings,
+                    environment=data.environment,  # multi-turn: trajectories against data.environment
                 )
             rewards = rollout.rewards.tolist()
+            # Multi-turn: the response is the whole transcript (the SFT that reads it trains on its observations
+            # too: SFTModule has no environment mask yet).
+            responses = rollout.transcripts or rollout.completions
             rejected = None if args.keep_truncated else rollout.truncated.tolist()
             kept = select_completions(
                 rollout.completions, rewards, k, mode=args.mode, threshold=args.threshold, rejected=rejected
@@ -186,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             for p, prompt in enumerate(batch["prompt"]):
                 others = {name: values[p] for name, values in batch.items() if name != "prompt"}
                 for i in kept[p]:
-                    row = {"prompt": prompt, "response": rollout.completions[p * k + i], "reward": rewards[p * k + i]}
+                    row = {"prompt": prompt, "response": responses[p * k + i], "reward": rewards[p * k + i]}
                     out_file.write(json.dumps({**row, **others}) + "\n")
                 group = rewards[p * k : (p + 1) * k]
                 entry = {"prompt": prompt, "acceptance_rate": batch_rates[p], "kept": len(kept[p])}

@@ -22,14 +22,20 @@ def completion_advantages(rollout: RolloutBatch) -> list[float]:
 
 
 def completion_rows(rollout: RolloutBatch, indices: list[int] | None = None) -> tuple[list[str], list[list[Any]]]:
-    """Columns ``prompt, completion, reward, <each reward function>, advantage`` and the rows of ``indices``."""
+    """Columns ``prompt, completion, reward, <each reward function>, advantage`` and the rows of ``indices``.
+
+    Multi-turn rollouts add ``turns`` and ``transcript`` (every turn and observation) after ``completion``, which
+    is then the final turn that the rewards scored.
+    """
     names = list(rollout.reward_columns)
-    columns = ["prompt", "completion", "reward", *names, "advantage"]
+    turns = rollout.turn_stats.get("turns") if rollout.transcripts else None
+    columns = ["prompt", "completion", *(["turns", "transcript"] if turns else []), "reward", *names, "advantage"]
     rewards, advantages = rollout.rewards.float().tolist(), completion_advantages(rollout)
     rows = []
     for i in range(len(rollout.completions)) if indices is None else indices:
         per_function = [rollout.reward_columns[name][i] for name in names]
-        rows.append([rollout.prompts[i], rollout.completions[i], rewards[i], *per_function, advantages[i]])
+        multiturn = [int(turns[i]), rollout.transcripts[i]] if turns else []
+        rows.append([rollout.prompts[i], rollout.completions[i], *multiturn, rewards[i], *per_function, advantages[i]])
     return columns, rows
 
 
@@ -41,7 +47,8 @@ def is_logging_round(trainer: Trainer, every_n_rounds: int) -> bool:
 class CompletionsTable(Callback):
     """Logs the round's completions to W&B as ``<key>/round_<r>``, one table per logged round (none overwritten).
 
-    Columns: ``round``, ``step``, ``prompt``, ``completion``, ``reward`` (the weighted total), one column per
+    Columns: ``round``, ``step``, ``prompt``, ``completion`` (with ``turns`` and ``transcript`` for multi-turn
+    rollouts), ``reward`` (the weighted total), one column per
     reward function (empty where it did not apply) and ``advantage``. Needs a ``WandbLogger``; under data
     parallelism the table holds rank 0's share of the round. For a run without W&B, see ``ConsoleSamples``.
     """

@@ -11,6 +11,8 @@ from rich.table import Table
 from grpo_lightning.callbacks.completions import completion_rows, is_logging_round
 from grpo_lightning.config import ConfigError
 
+_TEXT = ("prompt", "completion", "transcript")
+
 
 def _clip(value: object, max_chars: int) -> str:
     if isinstance(value, float):
@@ -53,7 +55,7 @@ class ConsoleSamples(Callback):
         reward = rollout.metrics.get("rollout/reward_mean", float("nan"))
         table = Table(title=f"round {trainer.current_epoch} · step {trainer.global_step} · mean reward {reward:.3g}")
         for name in columns:
-            table.add_column(name, overflow="fold", justify="right" if name not in ("prompt", "completion") else "left")
+            table.add_column(name, overflow="fold", justify="left" if name in _TEXT else "right")
         for row in rows:
             table.add_row(*(_clip(value, self.max_chars) for value in row))
         self.console.print(table)

@@ -56,6 +56,9 @@ class SamplingParams:
     """The most likely token at every step (one completion per prompt); temperature and filters are ignored."""
     batch_size: int = 256
     """Completions decoded at once (engines that schedule their own batches may ignore it)."""
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    """Token sequences that end a completion like EOS does, the sequence kept (a tool call's close tag). An engine
+    that does not stop early is cut afterwards (``stop_lengths``): the same tokens either way."""
 
     def with_(self, **changes: Any) -> SamplingParams:
         """A copy with ``changes`` applied."""
@@ -160,6 +163,23 @@ def concat_completions(chunks: list[Completions], pad_token_id: int) -> Completi
     )
 
 
+def stop_lengths(tokens: Tensor, stop_sequences: tuple[tuple[int, ...], ...]) -> Tensor:
+    """``[N]``: each row's length up to and including its first stop sequence; ``tokens.size(1) + 1`` for none."""
+    n, width = tokens.shape
+    ends = torch.full((n,), width + 1, dtype=torch.long, device=tokens.device)
+    for sequence in stop_sequences:
+        k = len(sequence)
+        if not k or k > width:
+            continue
+        target = torch.tensor(sequence, device=tokens.device)
+        windows = tokens.unfold(1, k, 1)  # [N, width - k + 1, k]
+        hit = (windows == target).all(-1)
+        found = hit.any(-1)
+        first = hit.float().argmax(-1) + k  # the end of the first match
+        ends = torch.where(found, torch.minimum(ends, first), ends)
+    return ends
+
+
 def completions_from_tokens(
     prompt_ids: Tensor,
     prompt_mask: Tensor,
@@ -170,18 +190,22 @@ def completions_from_tokens(
     pad_token_id: int,
     max_new_tokens: int,
     logprobs: Tensor | None = None,
+    stop_sequences: tuple[tuple[int, ...], ...] = (),
 ) -> Completions:
-    """``Completions`` from raw generated tokens ``[N, T]`` (anything after the first EOS is ignored).
+    """``Completions`` from raw generated tokens ``[N, T]`` (anything after the first EOS or stop sequence is
+    ignored).
 
-    A row is truncated when it has no EOS within ``max_new_tokens`` tokens. The mask covers the tokens up to and
-    including the first EOS; the rest becomes ``pad_token_id`` (and log-prob 0), and trailing all-padding columns
-    are cut off.
+    A row is truncated when it has neither EOS nor a stop sequence within ``max_new_tokens`` tokens. The mask
+    covers the tokens up to and including the first EOS (or stop sequence); the rest becomes ``pad_token_id`` (and
+    log-prob 0), and trailing all-padding columns are cut off.
     """
     n, width = tokens.shape
     is_eos = tokens == eos_token_id
-    ended = is_eos.any(-1)
-    first_eos = torch.where(ended, is_eos.float().argmax(-1), torch.full_like(ended, width, dtype=torch.long))
-    lengths = torch.where(ended, first_eos + 1, torch.full_like(first_eos, min(width, max_new_tokens)))
+    none = torch.full((n,), width + 1, dtype=torch.long, device=tokens.device)
+    first_end = torch.where(is_eos.any(-1), is_eos.float().argmax(-1) + 1, none)
+    first_end = torch.minimum(first_end, stop_lengths(tokens, stop_sequences))
+    ended = first_end <= width
+    lengths = torch.where(ended, first_end, torch.full_like(first_end, min(width, max_new_tokens)))
     keep = int(lengths.max()) if n else 0
     mask = (torch.arange(keep, device=tokens.device)[None, :] < lengths[:, None]).long()
     completion_ids = tokens[:, :keep].masked_fill(mask == 0, pad_token_id)

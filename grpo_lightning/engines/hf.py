@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from grpo_lightning.engines.base import (
     Completions,
@@ -20,6 +20,22 @@ from grpo_lightning.engines.base import (
     concat_completions,
     eval_mode,
 )
+
+
+class StopOnSequences(StoppingCriteria):
+    """Ends a row of ``generate()`` once its new tokens end with one of ``sequences`` (token ids)."""
+
+    def __init__(self, sequences: tuple[tuple[int, ...], ...], prompt_length: int) -> None:
+        self.sequences, self.prompt_length = [s for s in sequences if s], prompt_length
+
+    def __call__(self, input_ids: Tensor, scores: Tensor, **kwargs: object) -> Tensor:
+        done = torch.zeros(input_ids.size(0), dtype=torch.bool, device=input_ids.device)
+        new = input_ids.size(1) - self.prompt_length
+        for sequence in self.sequences:
+            if new >= len(sequence):
+                target = torch.tensor(sequence, device=input_ids.device)
+                done |= (input_ids[:, -len(sequence) :] == target).all(-1)
+        return done
 
 
 class TransformersEngine(RolloutEngine):
@@ -66,7 +82,10 @@ class TransformersEngine(RolloutEngine):
             devices = [device] if device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices), eval_mode(self.policy):
                 torch.manual_seed(seed)
-                out = self.policy.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+                stopping = StoppingCriteriaList([StopOnSequences(params.stop_sequences, ids.size(1))])
+                out = self.policy.generate(
+                    input_ids=ids, attention_mask=mask, generation_config=config, stopping_criteria=stopping
+                )
             tokens = out.sequences[:, ids.size(1) :]
             logprobs = None
             if return_logprobs:
@@ -86,6 +105,7 @@ class TransformersEngine(RolloutEngine):
                     pad_token_id=self.pad_token_id,
                     max_new_tokens=params.max_new_tokens,
                     logprobs=logprobs,
+                    stop_sequences=params.stop_sequences,
                 )
             )
         return concat_completions(chunks, self.pad_token_id)

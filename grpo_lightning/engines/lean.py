@@ -124,13 +124,14 @@ def sample_completions(
     generator: torch.Generator | None = None,
     return_logprobs: bool = False,
     lean: bool = True,
+    stop_sequences: tuple[tuple[int, ...], ...] = (),
 ) -> Completions:
     """Sample ``group_size`` completions for each left-padded prompt in ``prompt_ids`` ``[B, P]``.
 
     With ``return_logprobs``, ``Completions.logprobs`` holds each drawn token's log-probability under the tempered
     distribution of the sampling policy, which is what GRPO's old-policy log-probs are when a round has several
     optimizer steps. With ``lean`` (and a model it supports, see ``grpo_lightning.models.lean``), the steps run on
-    the lean forward.
+    the lean forward. A sequence ends at EOS or after any of ``stop_sequences`` (token ids, kept in the completion).
     """
     decoder = LeanDecoder(model) if lean and lean_unsupported(model) is None else _ModelDecoder(model)
     device = prompt_ids.device
@@ -142,6 +143,7 @@ def sample_completions(
     finished = torch.zeros(n, dtype=torch.bool, device=device)
     lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=device)
     logprobs = torch.zeros(n, max_new_tokens, device=device) if return_logprobs else None
+    stops = [torch.tensor(s, device=device) for s in stop_sequences if s]
     for step in range(max_new_tokens):
         if logprobs is not None:  # before the EOS ban: the training forward scores tokens without it
             scores = logits.float() / temperature if temperature != 1.0 else logits.float()
@@ -157,6 +159,9 @@ def sample_completions(
             logprobs[:, step] = all_logprobs.gather(-1, token[:, None]).squeeze(-1).masked_fill(finished, 0.0)
         if step >= min_new_tokens:  # earlier steps cannot draw EOS: no bookkeeping, no host sync
             just_ended = ~finished & (token == eos_token_id)
+            for stop in stops:  # a tool call's close tag: the turn ends, the tag kept
+                if step + 1 >= len(stop):
+                    just_ended |= ~finished & (tokens[:, step + 1 - len(stop) : step + 1] == stop).all(-1)
             lengths = torch.where(just_ended, step + 1, lengths)
             finished |= just_ended
             if bool(finished.all()):
@@ -225,6 +230,7 @@ class LeanEngine(RolloutEngine):
                     generator=generator,
                     return_logprobs=return_logprobs,
                     lean=self.lean_forward,
+                    stop_sequences=params.stop_sequences,
                 )
                 for start in range(0, prompt_ids.size(0), prompts_per_chunk)
             ]

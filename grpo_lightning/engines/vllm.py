@@ -227,7 +227,9 @@ class VLLMEngine(RolloutEngine):
                 min_tokens=0 if params.greedy else params.min_new_tokens,
                 seed=int(seed),
                 logprobs=0 if return_logprobs else None,
-                stop_token_ids=[self.eos_token_id],
+                # one-token stop sequences stop vLLM early; longer ones (a tool call's close tag in the character
+                # tokenizer) are cut below: the same tokens, only generated a little further
+                stop_token_ids=[self.eos_token_id, *(s[0] for s in params.stop_sequences if len(s) == 1)],
                 detokenize=False,
             )
             for seed in seeds.tolist()
@@ -259,6 +261,7 @@ class VLLMEngine(RolloutEngine):
             pad_token_id=self.pad_token_id,
             max_new_tokens=params.max_new_tokens,
             logprobs=None if logprobs is None else logprobs.to(device),
+            stop_sequences=params.stop_sequences,
         )
 
 

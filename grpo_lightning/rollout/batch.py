@@ -24,6 +24,8 @@ class RolloutBatch:
     truncated: Tensor  # [N] bool: hit the length limit
     rewards: Tensor  # [N] weighted total reward
     loss_mask: Tensor | None = None  # [N, T] tokens that count in the loss (default: completion_mask)
+    # [N, T] the policy's own tokens, in multi-turn rollouts (environment tokens are context only); None: all.
+    action_mask: Tensor | None = None
     advantages: Tensor | None = None  # [N] (or [N, T] for process rewards)
     old_logprobs: Tensor | None = None  # [N, T], only when the round has more than one optimizer step
     ref_logprobs: Tensor | None = None  # [N, T], only when β > 0
@@ -36,6 +38,10 @@ class RolloutBatch:
     step_rewards: Tensor | None = None  # [N, S] process rewards per step (NaN = no such step)
     step_ends: Tensor | None = None  # [N, S] token index where each step ends
     correct: list[bool] | None = None  # [N] the accuracy reward >= 1 (None when no outcome reward decides it)
+    # Multi-turn rollouts: every turn and observation as text, and per-trajectory counts (turns, tokens, tool
+    # calls, ...); ``completions`` then holds the final turns, which the rewards scored.
+    transcripts: list[str] = field(default_factory=list)
+    turn_stats: dict[str, list[float]] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     # How the round was sampled, for the loss: the temperature of π_old (the update's log-probs use the same),
     # and the length limit (Dr. GRPO's constant normaliser).
@@ -54,8 +60,8 @@ class RolloutBatch:
             if isinstance(value, Tensor):
                 out[f.name] = value[rows.to(value.device)]
             elif isinstance(value, list):
-                out[f.name] = [value[i] for i in index]
-            elif f.name == "reward_columns":
+                out[f.name] = [value[i] for i in index] if value else []
+            elif f.name in _PER_ROW_COLUMNS:
                 out[f.name] = {name: [values[i] for i in index] for name, values in value.items()}
             else:
                 out[f.name] = value
@@ -73,7 +79,7 @@ class RolloutBatch:
                 out[f.name] = _cat_padded(values, f.name, pad_token_id)
             elif isinstance(values[0], list):
                 out[f.name] = [item for value in values for item in value]
-            elif f.name == "reward_columns":
+            elif f.name in _PER_ROW_COLUMNS:
                 out[f.name] = {name: [v for b in values for v in b[name]] for name in values[0]}
             else:
                 out[f.name] = values[0]
@@ -142,6 +148,9 @@ class RolloutBatch:
                 batch["num_items"] = num_items
                 out.append(batch)
         return out
+
+
+_PER_ROW_COLUMNS = ("reward_columns", "turn_stats")  # dicts of one value per row
 
 
 def _cat_padded(tensors: list[Tensor], name: str, pad_token_id: int) -> Tensor:

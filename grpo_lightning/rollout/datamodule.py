@@ -27,7 +27,8 @@ from torch.utils.data import DataLoader
 
 from grpo_lightning.config import AdvantageConfig, ConfigError, EvalConfig, SamplingConfig
 from grpo_lightning.engines import RolloutEngine
-from grpo_lightning.evaluation import HeldOutSampler
+from grpo_lightning.environments.base import Environment, check_environment
+from grpo_lightning.evaluation import held_out_loader
 from grpo_lightning.rewards import RewardSpec
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.batch import RolloutBatch
@@ -60,6 +61,7 @@ class RolloutDataModule(LightningDataModule):
         reward_on_error: Literal["raise", "zero"] = "raise",
         reward_timeout_s: float | None = None,
         engine: str | RolloutEngine = "auto",
+        environment: Environment | None = None,
         sampling: SamplingConfig | None = None,
         advantage: AdvantageConfig | None = None,
         prompts_per_round: int = 16,
@@ -92,6 +94,10 @@ class RolloutDataModule(LightningDataModule):
             reward_timeout_s: time limit per reward-function call (a hanging function is reported by name).
             engine: what samples the completions: ``auto`` (= ``lean``), ``lean``, ``transformers``, ``vllm``, or
                 ``{class_path, init_args}`` of a ``grpo_lightning.engines.RolloutEngine``.
+            environment: multi-turn rollouts against ``{class_path, init_args}`` of a
+                ``grpo_lightning.environments.Environment`` (e.g. ``ToolEnvironment``: tool calls answered across
+                turns, ``max_turns`` and per-turn limits among its settings); ``sampling.max_new_tokens`` then
+                limits everything after the prompt, turns and observations together. None: one completion each.
             sampling: rollout sampling settings (group size G, lengths, temperature, top-p, top-k).
             advantage: how rewards become advantages (baseline, std scaling).
             prompts_per_round: prompts per rank per round; the rollout has ``prompts_per_round × G`` completions.
@@ -123,6 +129,12 @@ class RolloutDataModule(LightningDataModule):
             rewards, accuracy_reward=accuracy_reward, on_error=reward_on_error, timeout_s=reward_timeout_s
         )
         self.engine = EngineHandle(engine)
+        self.environment = check_environment(environment)
+        if self.environment is not None and self.scorer.process:
+            raise ConfigError(
+                "data.environment: process rewards (step rewards) do not combine with multi-turn rollouts yet; "
+                "use outcome rewards, which score each trajectory's final turn"
+            )
         self.sampling, self.advantage = sampling or SamplingConfig(), advantage or AdvantageConfig()
         self.eval = eval or EvalConfig()
         if old_logprobs == "sampler" and not self.engine.engine.shares_weights:
@@ -199,6 +211,11 @@ class RolloutDataModule(LightningDataModule):
     def _checked(self, data: Dataset, where: str) -> Dataset:
         data = rename_prompt_column(data, self.prompt_column, where)
         self.scorer.check_columns(data.column_names, where)
+        missing = [
+            c for c in (self.environment.required_columns() if self.environment else ()) if c not in data.column_names
+        ]
+        if missing:
+            raise ConfigError(f"{where} has no column {missing[0]!r}, which data.environment reads")
         module = self.policy_side
         check_prompts(
             data,
@@ -226,6 +243,7 @@ class RolloutDataModule(LightningDataModule):
             mask_truncated_completions=self.mask_truncated_completions,
             dynamic_sampling=self.dynamic_sampling,
             max_sampling_rounds=self.max_sampling_rounds,
+            environment=self.environment,
             reference=module.has_reference,
         )
 
@@ -361,29 +379,3 @@ class LazyRound(torch.utils.data.Dataset):
             if len(self.batches) != self.length:  # the settings fix the count; a mismatch is a bug
                 raise RuntimeError(f"the round made {len(self.batches)} micro-batches, {self.length} were planned")
         return self.batches[index]
-
-
-def held_out_loader(datamodule: Any, data: Dataset, batch_size: int) -> DataLoader:
-    """The held-out prompts of this rank, generated and scored batch by batch (``HeldOutSampler``).
-
-    ``datamodule`` provides ``trainer``, ``policy_side``, ``engine``, ``encoder``, ``scorer``, ``sampling``,
-    ``eval`` and ``seed`` (``RolloutDataModule`` and ``SFTDataModule`` do).
-    """
-    trainer = datamodule.trainer
-    rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-    # Contiguous shards, sized as ``datasets.Dataset.shard(contiguous=True)`` sizes them.
-    size, extra = divmod(len(data), world)
-    start = size * rank + min(rank, extra)
-    indices = range(start, start + size + (rank < extra))
-    sampler = HeldOutSampler(
-        module=lambda: datamodule.policy_side,
-        engine=datamodule.engine,
-        encoder=datamodule.encoder,
-        scorer=datamodule.scorer,
-        sampling=datamodule.sampling,
-        config=datamodule.eval,
-        seed=datamodule.seed,
-        rank=rank,
-    )
-    rows = [(i, data[i]) for i in indices]
-    return DataLoader(rows, batch_size=batch_size, shuffle=False, collate_fn=sampler)

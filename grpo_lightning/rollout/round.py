@@ -17,6 +17,7 @@ from torch import Tensor
 
 from grpo_lightning.config import AdvantageConfig, SamplingConfig
 from grpo_lightning.engines.base import RolloutEngine
+from grpo_lightning.environments.base import Environment
 from grpo_lightning.loss import group_advantages, process_advantages
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.batch import RolloutBatch
@@ -48,6 +49,8 @@ class RoundSettings:
     mask_truncated_completions: bool = False
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 4
+    environment: Environment | None = None
+    """Multi-turn rollouts against this environment (``rollout/multiturn.py``); None = one completion each."""
     reference: bool = True
     """Whether there is a reference model (β > 0): π_ref's log-probs for the KL term."""
 
@@ -89,6 +92,7 @@ def run_round(
             return_logprobs=engine_old or settings.importance_correction,
             device=device,
             timings=timings,
+            environment=settings.environment,
         )
 
     batch = sample()  # 1. generate (π_old) and 2. score
@@ -98,7 +102,8 @@ def run_round(
             batch, sample, settings.sampling.group_size, settings.max_sampling_rounds, encoder.tokenizer.pad_token_id
         )
     batch.advantages = compute_advantages(batch, settings, all_gather)  # 4. group-relative advantages
-    batch.loss_mask = batch.completion_mask.clone()
+    # Multi-turn: the policy's tokens only; environment tokens stay context, out of the loss and the KL.
+    batch.loss_mask = (batch.completion_mask if batch.action_mask is None else batch.action_mask).clone()
     if settings.mask_truncated_completions:
         batch.loss_mask[batch.truncated] = 0  # DAPO overlong filtering: truncated completions teach nothing
 
@@ -200,5 +205,10 @@ def rollout_metrics(batch: RolloutBatch, group_size: int, timings: dict[str, flo
     for phase, seconds in timings.items():
         metrics[f"time/{phase}"] = seconds
     if timings.get("generate"):
-        metrics["time/generated_tokens_per_s"] = lengths.sum().item() / timings["generate"]
+        generated = batch.completion_mask if batch.action_mask is None else batch.action_mask  # the policy's
+        metrics["time/generated_tokens_per_s"] = generated.sum().item() / timings["generate"]
+    for name, values in batch.turn_stats.items():  # multi-turn: turns, tokens, tool calls and errors per trajectory
+        metrics[f"rollout/{name}_mean"] = sum(values) / len(values)
+        if name == "turns":
+            metrics["rollout/turns_max"] = max(values)
     return metrics

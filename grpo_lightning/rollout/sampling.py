@@ -2,6 +2,8 @@
 
 The training round, held-out evaluation (greedy pass@1 and k samples for pass@k / maj@k) and rejection sampling
 all call ``sample_and_score``: encode the prompts, have the engine sample, decode, score with every reward.
+With an environment (``data.environment``) the engine samples multi-turn trajectories instead
+(``rollout/multiturn.py``) and the rewards score each trajectory's final turn.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from typing import Any
 import torch
 
 from grpo_lightning.engines.base import RolloutEngine, SamplingParams
+from grpo_lightning.environments.base import Environment
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.batch import RolloutBatch
+from grpo_lightning.rollout.multiturn import generate_trajectories
 from grpo_lightning.rollout.prompts import PromptEncoder
 from grpo_lightning.rollout.steps import step_token_ends
 
@@ -34,24 +38,50 @@ def sample_and_score(
     return_logprobs: bool = False,
     device: torch.device | str = "cpu",
     timings: dict[str, float] | None = None,
+    environment: Environment | None = None,
 ) -> RolloutBatch:
     """``params.group_size`` completions (one when greedy) for each prompt of ``rows``, decoded and scored.
 
     ``rows`` holds the ``prompt`` column and the dataset's other columns (passed on to the reward functions).
     ``return_logprobs`` keeps the engine's log-probs of the sampled tokens in ``RolloutBatch.engine_logprobs``.
-    ``timings``, when given, accumulates the seconds spent in ``generate`` and ``score``.
+    ``timings``, when given, accumulates the seconds spent in ``generate`` and ``score`` (and ``environment``,
+    the part of generating spent in the environment's steps, with an ``environment``).
     """
     group_size = 1 if params.greedy else params.group_size
     start = time.perf_counter()
-    prompt_ids, prompt_mask = encoder.encode(rows["prompt"], device)
-    completions = engine.generate(prompt_ids, prompt_mask, params, generator=generator, return_logprobs=return_logprobs)
-    texts = encoder.decode(completions.completion_ids, completions.completion_mask)
+    trajectories = None
+    if environment is None:
+        prompt_ids, prompt_mask = encoder.encode(rows["prompt"], device)
+        completions = engine.generate(
+            prompt_ids, prompt_mask, params, generator=generator, return_logprobs=return_logprobs
+        )
+        texts = encoder.decode(completions.completion_ids, completions.completion_mask)
+        policy_lengths = completions.completion_mask.sum(-1).tolist()
+    else:
+        trajectories = generate_trajectories(
+            rows,
+            engine=engine,
+            encoder=encoder,
+            environment=environment,
+            params=params,
+            generator=generator,
+            return_logprobs=return_logprobs,
+            device=device,
+        )
+        completions, texts = trajectories.completions, trajectories.final_texts
+        policy_lengths = trajectories.action_mask.sum(-1).tolist()
     generated = time.perf_counter()
 
     prompts = repeat_each(rows["prompt"], group_size)
     columns = {name: repeat_each(values, group_size) for name, values in rows.items() if name != "prompt"}
-    columns["completion_lengths"] = completions.completion_mask.sum(-1).tolist()  # in tokens, for length shaping
+    columns["completion_lengths"] = policy_lengths  # the policy's tokens, for length shaping
+    if trajectories is not None:
+        columns["transcripts"] = trajectories.transcripts  # every turn, for rewards that judge the tool use
     scores = scorer(prompts, texts, columns)
+    if trajectories is not None:  # the environment's reward parts join the total, one column each
+        for name, values in trajectories.env_rewards.items():
+            scores.per_function[f"env_{name}"] = list(values)
+            scores.total = [total + value for total, value in zip(scores.total, values)]
     batch = RolloutBatch(
         prompt_ids=completions.prompt_ids,
         prompt_mask=completions.prompt_mask,
@@ -67,6 +97,9 @@ def sample_and_score(
         temperature=params.temperature,
         max_new_tokens=params.max_new_tokens,
     )
+    if trajectories is not None:
+        batch.action_mask = trajectories.action_mask
+        batch.transcripts, batch.turn_stats = trajectories.transcripts, trajectories.stats
     if scores.steps is not None:  # process rewards: one value per step, and where each step ends in tokens
         ends = step_token_ends(
             texts, completions.completion_ids, completions.completion_mask, encoder.tokenizer, scorer.step_separator
@@ -77,5 +110,7 @@ def sample_and_score(
         batch.step_rewards, batch.step_ends = step_rewards.to(batch.rewards.device), ends.to(batch.rewards.device)
     if timings is not None:
         timings["generate"] = timings.get("generate", 0.0) + generated - start
+        if trajectories is not None:
+            timings["environment"] = timings.get("environment", 0.0) + trajectories.environment_s
         timings["score"] = timings.get("score", 0.0) + time.perf_counter() - generated
     return batch

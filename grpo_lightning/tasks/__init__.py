@@ -17,7 +17,7 @@ TaskFactory = Callable[..., DatasetDict]
 _TASKS: dict[str, TaskFactory] = {}
 
 # Modules that register built-in tasks; imported on first use so that importing the package stays cheap.
-_BUILTIN_MODULES = ("arithmetic", "countdown", "gsm8k", "math")
+_BUILTIN_MODULES = ("arithmetic", "countdown", "gsm8k", "math", "multiplication")
 
 
 def register_task(name: str) -> Callable[[TaskFactory], TaskFactory]:

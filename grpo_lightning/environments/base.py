@@ -1,0 +1,100 @@
+"""The environment interface of multi-turn rollouts: reset from a dataset row, then one ``step`` per policy turn.
+
+A trajectory alternates policy turns and environment answers, all in token space (``rollout/multiturn.py``):
+
+    prompt → [first observation] → turn 1 → observation 1 → turn 2 → ... → final turn (EOS, or ``done``)
+
+The environment sees text: the row it was reset from and each turn's decoded text; it answers with an observation
+(text that is tokenized once and appended: in the model's context, out of the loss), reward parts and whether the
+trajectory is over. The rollout makes one copy of the configured environment per trajectory (``spawn``), so an
+environment may keep per-trajectory state on ``self``.
+
+The limits of a trajectory (``max_turns``, tokens per turn, observation tokens) are settings of every environment;
+the total length limit is ``data.sampling.max_new_tokens``, everything after the prompt counted.
+"""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from grpo_lightning.config import ConfigError
+
+
+@dataclass
+class Step:
+    """What the environment answers to one policy turn."""
+
+    observation: str | None = None
+    """Text appended after the turn (tokenized on its own, never merged with the turn's tokens); None = nothing."""
+    rewards: dict[str, float] = field(default_factory=dict)
+    """Reward parts earned by this turn; summed over the trajectory, added to its reward as ``env/<name>``."""
+    done: bool = False
+    """The trajectory is over (the turn was the final answer)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Counts to log (e.g. ``tool_calls``, ``tool_errors``, ``tool_seconds``): summed per trajectory, logged as
+    ``rollout/<name>`` = their mean over the round's trajectories."""
+
+
+class Environment(ABC):
+    """One trajectory's environment: ``reset(row)``, then ``step(turn_text)`` after every policy turn but the last.
+
+    Subclasses implement ``reset`` and ``step``; ``stop_texts`` lists texts after which a turn ends early (a tool
+    call's close tag), so that the environment can answer it before the policy goes on.
+    """
+
+    def __init__(
+        self, max_turns: int = 4, max_turn_tokens: int | None = None, max_observation_tokens: int = 64
+    ) -> None:
+        """
+        Args:
+            max_turns: policy turns per trajectory at most (the last one is scored whatever it holds).
+            max_turn_tokens: tokens one policy turn may generate; None = ``data.sampling.max_new_tokens``.
+            max_observation_tokens: an observation longer than this many tokens is cut to it.
+        """
+        for name, value in (("max_turns", max_turns), ("max_observation_tokens", max_observation_tokens)):
+            if value < 1:
+                raise ConfigError(f"data.environment.init_args.{name} must be >= 1 (got {value})")
+        if max_turn_tokens is not None and max_turn_tokens < 1:
+            raise ConfigError(
+                f"data.environment.init_args.max_turn_tokens must be >= 1 or null (got {max_turn_tokens})"
+            )
+        self.max_turns, self.max_turn_tokens = max_turns, max_turn_tokens
+        self.max_observation_tokens = max_observation_tokens
+
+    def setup(self, tokenizer: Any) -> None:
+        """Called once with the policy's tokenizer before the first rollout (e.g. to render a chat template)."""
+        self.tokenizer = tokenizer
+
+    def spawn(self) -> Environment:
+        """A fresh copy for one trajectory (a deep copy; override for state that cannot be copied)."""
+        return copy.deepcopy(self)
+
+    @property
+    def stop_texts(self) -> tuple[str, ...]:
+        """Texts that end a policy turn (kept in it) so the environment can answer; none by default."""
+        return ()
+
+    def required_columns(self) -> tuple[str, ...]:
+        """Dataset columns ``reset`` reads (checked before training)."""
+        return ()
+
+    @abstractmethod
+    def reset(self, row: dict[str, Any]) -> str | None:
+        """Start a trajectory from a dataset row (``prompt`` and the other columns); the first observation or None."""
+
+    @abstractmethod
+    def step(self, turn: str) -> Step:
+        """Answer the policy's turn ``turn`` (its decoded text, special tokens left out)."""
+
+
+def check_environment(environment: Any) -> Environment | None:
+    """``data.environment`` as given, refused with one line when it is not an ``Environment``."""
+    if environment is None or isinstance(environment, Environment):
+        return environment
+    raise ConfigError(
+        "data.environment must be {class_path: ..., init_args: {...}} of a grpo_lightning.environments.Environment "
+        f"subclass (got {type(environment).__name__})"
+    )
