@@ -387,31 +387,6 @@ def test_fsdp_lora_trains_adapters_only(two_processes: tuple[Path, dict[str, Any
     assert run["changed"] and all("lora_" in k for k in run["changed"])
 
 
-def test_deepspeed_zero2_one_step(tmp_path: Path, model_dir: str) -> None:
-    """DeepSpeed through Lightning's strategy: needs the deepspeed package and a CUDA device."""
-    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install deepspeed)")
-    if not torch.cuda.is_available():
-        pytest.skip("DeepSpeed needs a CUDA device")
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    module, data, trainer, record = make_run(model_dir, tmp_path, epochs=1)
-    trainer = Trainer(
-        **TRAINER_DEFAULTS,
-        accelerator="gpu",
-        devices=1,
-        strategy=DeepSpeedStrategy(stage=2),
-        max_epochs=1,
-        accumulate_grad_batches=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        callbacks=[record],
-        default_root_dir=tmp_path,
-    )
-    trainer.fit(module, datamodule=data)
-    assert trainer.global_step == 1 and all(math.isfinite(loss) for loss in record.losses)
-
-
 if __name__ == "__main__":
     os.environ.setdefault("WANDB_MODE", "offline")
     worker(Path(sys.argv[1]), sys.argv[2])

@@ -11,6 +11,7 @@ writes each rank's step count and full weights for the checks.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -254,3 +255,36 @@ def test_config_callback_makes_the_same_collectives_on_every_rank(tmp_path: Path
         assert bool(logger.hyperparameters) == (rank == 0)
         assert (run_dir / "config.yaml").exists() == (rank == 0)
     assert counts[0] == counts[1] > 0
+
+
+def test_deepspeed_zero2_one_step(tmp_path: Path) -> None:
+    """DeepSpeed through Lightning's strategy: needs the deepspeed package and a CUDA device."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install deepspeed)")
+    if not torch.cuda.is_available():
+        pytest.skip("DeepSpeed needs a CUDA device")
+    from conftest import TINY
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+    from test_distributed import make_run
+
+    from grpo_lightning.cli import TRAINER_DEFAULTS
+    from grpo_lightning.models.tiny import build_char_tokenizer, build_tiny_llama
+
+    tokenizer, model_dir = build_char_tokenizer(), tmp_path / "model"
+    build_tiny_llama(TINY, tokenizer).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    module, data, trainer, record = make_run(str(model_dir), tmp_path, epochs=1)
+    trainer = Trainer(
+        **TRAINER_DEFAULTS,
+        accelerator="gpu",
+        devices=1,
+        strategy=DeepSpeedStrategy(stage=2),
+        max_epochs=1,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[record],
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, datamodule=data)
+    assert trainer.global_step == 1 and all(math.isfinite(loss) for loss in record.losses)
