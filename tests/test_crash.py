@@ -1,7 +1,7 @@
 """Crash safety: ``kill -9`` and SIGTERM at chosen moments of round 4, then ``--ckpt_path last``; the NaN guard.
 
-Each interrupted ``fit`` is a process forked from this one (no second import of torch), running the real CLI
-(``grpo_lightning.cli.main``) on a YAML config; resumes and the uninterrupted reference run in this process. A
+Each interrupted ``fit`` is a process forked from this one (spawned when torch runs several threads), running the
+real CLI (``grpo_lightning.cli.main``) on a YAML config; resumes and the uninterrupted reference run in this process. A
 ``Marker`` callback in the config writes what the run is doing to a file and, in the forked run only, slows round
 4 down so that a signal lands in the intended phase.
 """
@@ -126,7 +126,10 @@ def _forked_fit(config: Path, slow: str) -> None:
 
 
 def start_fit(config: Path, slow: str = "4") -> multiprocessing.Process:
-    process = multiprocessing.get_context("fork").Process(target=_forked_fit, args=(config, slow))
+    # Forking skips a second import of torch, but a child forked after OpenMP started a pool of several threads
+    # deadlocks in its first parallel region (libgomp): with more than one intra-op thread, spawn instead.
+    method = "fork" if torch.get_num_threads() == 1 else "spawn"
+    process = multiprocessing.get_context(method).Process(target=_forked_fit, args=(config, slow))
     process.start()
     return process
 
