@@ -4,6 +4,7 @@
     python tools/bench_trl.py          # settings A and B, 3 runs each, the frameworks alternated
     python tools/bench_trl.py --settings A --runs 5
     python tools/bench_trl.py --device cuda           # on a GPU (same settings, float32); memory = peak GPU memory
+    git worktree add ../base d9ba92b && python tools/bench_trl.py --baseline ../base   # this code vs another
 
 Both sides train the same Llama-architecture model (built from a config with a fixed seed and saved once), with
 the same character tokenizer, prompts, reward function and seed; completions have a fixed length (EOS is
@@ -14,6 +15,9 @@ gradient checkpointing (TRL's default turns it on; ours does not), mixed precisi
 Each run is a fresh subprocess that reports its time per optimizer step (a callback timestamps every optimizer
 step; the steps after the warm-up are averaged) and its peak resident memory (``ru_maxrss``). The table shows
 the median over runs; the last lines (``settings=A ratio=... mem_ratio=...``) are for scripts.
+
+``--baseline DIR`` adds a third side, our code as another checkout has it, in the same rotation: a shared CPU's
+speed drifts by 10-20% within minutes, so versions measured at different times cannot be compared.
 """
 
 from __future__ import annotations
@@ -284,13 +288,18 @@ def child(framework: str, settings: Settings, folder: Path) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def run_child(framework: str, name: str, settings: Settings, folder: Path, threads: int | None) -> dict[str, float]:
-    """Run one measurement in a fresh interpreter (so start-up, caches and peak memory are its own)."""
+def run_child(
+    framework: str, name: str, settings: Settings, folder: Path, threads: int | None, baseline: Path | None = None
+) -> dict[str, float]:
+    """One measurement in a fresh interpreter (its own start-up, caches and peak memory); ``framework``: ``trl``,
+    ``ours`` or ``baseline`` (ours as the checkout ``baseline`` has it)."""
     steps = [str(settings.warmup_steps), str(settings.measured_steps)]
-    cmd = [sys.executable, __file__, "--child", framework, "--settings", name, "--steps", *steps]
-    cmd += ["--assets", str(folder)]
+    script, side = Path(__file__), framework
     env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "GRPO_BENCH_DEVICE": DEVICE}
-    if threads is not None:  # both sides alike; unset: torch's default (one thread per core)
+    if framework == "baseline":  # its own script, its own package first on the path
+        script, side, env["PYTHONPATH"] = baseline / "tools" / "bench_trl.py", "ours", str(baseline)
+    cmd = [sys.executable, str(script), "--child", side, "--settings", name, "--steps", *steps, "--assets", str(folder)]
+    if threads is not None:  # every side alike; unset: torch's default (one thread per core)
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -309,6 +318,9 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, help="CPU threads per run (default: torch's default, one per core)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both frameworks train")
+    parser.add_argument(
+        "--baseline", type=Path, help="another checkout of grpo_lightning, measured in the same rotation as ours"
+    )
     parser.add_argument("--child", choices=("ours", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--assets", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -320,6 +332,10 @@ def main() -> None:
     if args.child:
         child(args.child, chosen[args.settings[0]], args.assets)
         return
+    baseline = args.baseline.resolve() if args.baseline else None
+    if baseline and not (baseline / "tools" / "bench_trl.py").is_file():
+        parser.error(f"--baseline {baseline} has no tools/bench_trl.py: make a checkout with git worktree add DIR REV")
+    frameworks = ["trl", "ours"] + (["baseline"] if baseline else [])
 
     rows, loads = [], []
     for name, settings in chosen.items():
@@ -327,15 +343,16 @@ def main() -> None:
             folder = Path(tmp)
             build_assets(settings, folder)
             params = int((folder / "params.txt").read_text())
-            results: dict[str, list[dict[str, float]]] = {"trl": [], "ours": []}
+            results: dict[str, list[dict[str, float]]] = {framework: [] for framework in frameworks}
             for run in range(args.runs):
-                # Alternate which framework goes first, so that load drifts hit both alike.
-                for framework in ("trl", "ours") if run % 2 == 0 else ("ours", "trl"):
+                # Rotate which side goes first, so that load drifts hit every side alike.
+                shift = run % len(frameworks)
+                for framework in frameworks[shift:] + frameworks[:shift]:
                     loads.append(os.getloadavg()[0])
-                    result = run_child(framework, name, settings, folder, args.threads)
+                    result = run_child(framework, name, settings, folder, args.threads, baseline)
                     results[framework].append(result)
                     print(
-                        f"settings {name} run {run + 1} {framework:>4}: {result['s_per_step']:.4f} s/step "
+                        f"settings {name} run {run + 1} {framework:>8}: {result['s_per_step']:.4f} s/step "
                         f"(CPU {result['cpu_s_per_step']:.4f}), peak RSS {result['peak_rss_mb']:.0f} MiB, "
                         + (f"peak GPU {result['peak_gpu_mb']:.0f} MiB, " if "peak_gpu_mb" in result else "")
                         + f"load {loads[-1]:.2f} before",
@@ -373,6 +390,10 @@ def main() -> None:
         memory = "peak_gpu_mb" if DEVICE == "cuda" else "peak_rss_mb"  # on a GPU, the memory that limits a run
         mem_ratio = med["ours"][memory] / med["trl"][memory]
         print(f"settings={name} ratio={ratio:.2f} mem_ratio={mem_ratio:.2f}")
+        if baseline:
+            ours, base = med["ours"], med["baseline"]
+            print(f"settings={name} ours/baseline={ours['s_per_step'] / base['s_per_step']:.2f} ", end="")
+            print(f"mem_ours/baseline={ours[memory] / base[memory]:.2f} (baseline: {baseline})")
 
 
 if __name__ == "__main__":
