@@ -195,8 +195,10 @@ def check_prompts(
     token_lengths: Callable[[list[str]], list[int]] | None = None,
     context_length: int | None = None,
     max_new_tokens: int = 0,
+    context_name: str = "the model's context",
 ) -> None:
-    """Every prompt is a non-empty string, and the longest one plus the completion fits the model's context.
+    """Every prompt is a non-empty string, and the longest one plus the completion fits the context (the model's,
+    or the engine's where it is shorter: vLLM's ``max_model_len``), ``context_name`` in the error.
 
     ``token_lengths(prompts)``: each prompt's token count as the model is given it (``PromptEncoder``).
     """
@@ -211,8 +213,8 @@ def check_prompts(
     if lengths[row] + max_new_tokens > context_length:
         raise ConfigError(
             f"{where} row {row}: its prompt of {lengths[row]} tokens + data.sampling.max_new_tokens="
-            f"{max_new_tokens} exceed the model's context of {context_length} tokens; shorten the prompts or lower "
-            "max_new_tokens"
+            f"{max_new_tokens} exceed {context_name} of {context_length} tokens; shorten the prompts or lower "
+            "max_new_tokens" + ("" if context_name == "the model's context" else ", or raise it")
         )
 
 

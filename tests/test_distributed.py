@@ -29,7 +29,7 @@ from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, Sampl
 from grpo_lightning.cli import TRAINER_DEFAULTS
 from grpo_lightning.config import AdvantageConfig
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams
-from grpo_lightning.engines.vllm import policy_weights
+from grpo_lightning.engines.weights import policy_weights
 from grpo_lightning.lora import LoraConfig
 from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
 from grpo_lightning.rewards import RewardSpec, register
@@ -327,7 +327,7 @@ def test_three_steps_finite_and_ranks_identical(two_processes: tuple[Path, dict[
 
 
 def test_the_engine_push_under_fsdp2_gathers_the_full_weights(two_processes: tuple[Path, dict[str, Any]]) -> None:
-    """``engines.vllm.policy_weights``: what a vLLM engine is given, under FSDP2, plain and with LoRA merged in."""
+    """``engines.weights.policy_weights``: what a vLLM engine is given, under FSDP2, plain and with LoRA merged in."""
     _, results = two_processes
     assert results["fsdp_push"] == {"names_equal": True, "max_diff": 0.0}
     assert results["fsdp_lora"]["merged_layers"] > 0 and results["fsdp_lora"]["push_max_diff"] < 1e-6

@@ -187,11 +187,9 @@ def test_sampler_logprobs_are_the_recomputed_old_policy_logprobs(lean):
             prompt_mask,
             group_size=4,
             max_new_tokens=10,
-            min_new_tokens=3,  # the EOS ban applies to sampling only, not to the log-probs
             eos_token_id=eos_token_id,
             pad_token_id=0,
-            temperature=0.8,
-            top_p=0.9,
+            temperature=0.8,  # unfiltered: then the sampler's log-probs are π_old's (engines/base.py)
             generator=torch.Generator().manual_seed(3),
             return_logprobs=True,
             lean=lean,

@@ -144,7 +144,8 @@ def test_fixed_length_sampling_matches_generate_with_min_new_tokens(tiny_llama, 
 
 
 def test_returned_logprobs_are_the_policy_logprobs_of_the_drawn_tokens(tiny_llama, tokenizer) -> None:
-    """π_old from the sampler equals a full forward's log-probs (tempered, unfiltered), padding 0."""
+    """Unfiltered, π_old from the sampler equals a full forward's log-probs (tempered), padding 0. (With top-k,
+    top-p or a minimum length they are the filtered distribution's: ``engine_contract``, on every engine.)"""
     enc = tokenizer(["12+34=", "5+6="], padding=True, return_tensors="pt")
     out = sample_completions(
         tiny_llama,
@@ -152,9 +153,7 @@ def test_returned_logprobs_are_the_policy_logprobs_of_the_drawn_tokens(tiny_llam
         enc["attention_mask"],
         group_size=4,
         max_new_tokens=8,
-        min_new_tokens=2,
         temperature=0.7,
-        top_k=5,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         generator=torch.Generator().manual_seed(3),

@@ -10,12 +10,32 @@ Two kinds exist:
 - engines that **hold their own copy** (``vllm``) must be given the weights after every update
   (``load_weights``); ``weights_version`` says which optimizer step their copy is from, and the round refuses to
   sample from a stale copy. ``grpo_lightning.callbacks.OldPolicySync`` does the pushing.
+
+What every engine samples, and what its log-probs mean (the same for all; ``tests/engine_contract.py`` checks it):
+
+- **The distribution is ``SamplingParams`` and nothing else**: the logits divided by ``temperature``, every EOS id
+  banned for the first ``min_new_tokens`` tokens, top-k, then top-p (nucleus), renormalised; ``greedy`` takes the
+  argmax of the logits. Nothing of the model's own ``generation_config`` (Qwen2.5-Instruct ships a repetition
+  penalty, top-k, top-p and a temperature) reaches the sampler: the loss and π_old model this distribution only.
+- **Every EOS id ends a completion**: the tokenizer's and each of the model's ``generation_config``
+  (``RolloutEngine.eos_token_ids``). A completion cut by a length limit is ``truncated``, and its mask never covers
+  padding.
+- **``Completions.logprobs`` are the drawn tokens' log-probs under that same distribution** (the behaviour policy
+  μ; for ``greedy``, the model's own at temperature 1). vLLM can return no other (its ``processed_logprobs``), and
+  it is the distribution the tokens really came from. Without filtering (``SamplingParams.filtered`` false) μ is
+  the tempered policy, so an engine running the trainer's weights in float32 gives exactly the trainer's π_old
+  (``data.old_logprobs: auto`` takes them, saving a forward pass). With top-k, top-p or a minimum length, μ
+  renormalises over the kept tokens and differs from π_old: ``auto`` then recomputes π_old, and ``sampler`` is
+  refused. For an engine with its own copy (vLLM), the truncated importance-sampling weight π_old / μ
+  (``loss.truncated_importance_weights``) then corrects for both the engine's rounding and the filter: with
+  top-p < 1 a kept token has μ ≥ π_old, so token weights are ≤ 1 and a sequence-level weight, their product,
+  decays with the completion's length.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -34,8 +54,8 @@ class Completions:
     completion_ids: Tensor  # [N, T] right-padded with pad_token_id
     completion_mask: Tensor  # [N, T] 1 for generated tokens up to and including EOS
     truncated: Tensor  # [N] bool: ended by the length limit, not by EOS
-    # [N, T] log-probs of the drawn tokens under the sampling policy (temperature applied, before top-k/top-p),
-    # 0 on padding; only when asked for (``return_logprobs``).
+    # [N, T] log-probs of the drawn tokens under the distribution each was drawn from (the module docstring), 0 on
+    # padding; only when asked for (``return_logprobs``).
     logprobs: Tensor | None = None
 
     def __len__(self) -> int:
@@ -57,8 +77,15 @@ class SamplingParams:
     batch_size: int = 256
     """Completions decoded at once (engines that schedule their own batches may ignore it)."""
     stop_sequences: tuple[tuple[int, ...], ...] = ()
-    """Token sequences that end a completion like EOS does, the sequence kept (a tool call's close tag). An engine
-    that does not stop early is cut afterwards (``stop_lengths``): the same tokens either way."""
+    """Token sequences that end a completion like EOS does, the sequence kept (a tool call's close tag), once the
+    completion has ``min_new_tokens`` tokens before its last one (as for EOS). An engine that does not stop early is
+    cut afterwards (``stop_lengths``): the same tokens either way."""
+
+    @property
+    def filtered(self) -> bool:
+        """Whether the sampling distribution differs from the tempered policy's: top-k, top-p or a minimum length
+        (the EOS ban). Then the engine's log-probs are not the trainer's, even on the trainer's own weights."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_new_tokens > 0)
 
     def with_(self, **changes: Any) -> SamplingParams:
         """A copy with ``changes`` applied."""
@@ -75,12 +102,14 @@ class RolloutEngine(ABC):
     def __init__(self) -> None:
         self.weights_version: int | None = None  # the optimizer step of the weights held (engines with a copy)
         self.eos_token_id: int | None = None
+        self.eos_token_ids: tuple[int, ...] = ()
         self.pad_token_id: int | None = None
 
     def setup(self, policy: nn.Module, tokenizer: Any) -> None:
         """Called once the policy exists (after ``configure_model``), before the first generation."""
         self.policy = policy
         self.eos_token_id, self.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+        self.eos_token_ids = end_token_ids(policy, tokenizer)
 
     @property
     def is_setup(self) -> bool:
@@ -101,6 +130,14 @@ class RolloutEngine(ABC):
         ``generator`` is the caller's random stream: the same state gives the same completions, so a resumed run
         samples what an uninterrupted one would have. ``return_logprobs`` asks for the sampled tokens' log-probs.
         """
+
+    context_name: str = "the model's context"
+    """What ``max_context`` is called in an error, with the setting that raises it."""
+
+    def max_context(self, model_context: int | None) -> int | None:
+        """The longest prompt + completion this engine generates, for a model whose own context is
+        ``model_context`` (None: unknown). Checked against the data before training."""
+        return model_context
 
     def logprobs_match_policy(self, policy: nn.Module) -> bool:
         """Whether the log-probs this engine returns equal the trainer's (so they may stand for π_old).
@@ -125,6 +162,21 @@ class RolloutEngine(ABC):
     def close(self) -> None:
         """Release what the engine holds (memory, processes); it may be set up again afterwards."""
         self.policy = None
+
+
+def end_token_ids(policy: nn.Module | None, tokenizer: Any) -> tuple[int, ...]:
+    """Every token id that ends a completion: the tokenizer's EOS first, then each EOS id of the model's
+    ``generation_config`` (Qwen2.5-Instruct lists ``<|im_end|>`` and ``<|endoftext|>``, Llama-3.1-Instruct three).
+
+    vLLM and ``generate()`` stop at all of them; so does every engine here, and a row ending on any of them is
+    ended, not truncated.
+    """
+    ids = [tokenizer.eos_token_id]
+    base = policy.get_base_model() if callable(getattr(policy, "get_base_model", None)) else policy
+    generation = getattr(base, "generation_config", None)
+    extra = getattr(generation, "eos_token_id", None)
+    ids += [extra] if isinstance(extra, int) else list(extra or [])
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
 @contextmanager
@@ -163,8 +215,14 @@ def concat_completions(chunks: list[Completions], pad_token_id: int) -> Completi
     )
 
 
-def stop_lengths(tokens: Tensor, stop_sequences: tuple[tuple[int, ...], ...]) -> Tensor:
-    """``[N]``: each row's length up to and including its first stop sequence; ``tokens.size(1) + 1`` for none."""
+def stop_lengths(
+    tokens: Tensor, stop_sequences: tuple[tuple[int, ...], ...], min_new_tokens: int = 0
+) -> Tensor:
+    """``[N]``: each row's length up to and including its first stop sequence; ``tokens.size(1) + 1`` for none.
+
+    A stop sequence counts where its last token is at index ``min_new_tokens`` or later (the rule EOS follows under
+    a minimum length), so that every engine ends a completion at the same token.
+    """
     n, width = tokens.shape
     ends = torch.full((n,), width + 1, dtype=torch.long, device=tokens.device)
     for sequence in stop_sequences:
@@ -174,6 +232,7 @@ def stop_lengths(tokens: Tensor, stop_sequences: tuple[tuple[int, ...], ...]) ->
         target = torch.tensor(sequence, device=tokens.device)
         windows = tokens.unfold(1, k, 1)  # [N, width - k + 1, k]
         hit = (windows == target).all(-1)
+        hit[:, : max(0, min_new_tokens - k + 1)] = False  # ends before index min_new_tokens
         found = hit.any(-1)
         first = hit.float().argmax(-1) + k  # the end of the first match
         ends = torch.where(found, torch.minimum(ends, first), ends)
@@ -186,26 +245,35 @@ def completions_from_tokens(
     tokens: Tensor,
     *,
     group_size: int,
-    eos_token_id: int,
+    eos_token_id: int | Sequence[int],
     pad_token_id: int,
     max_new_tokens: int,
     logprobs: Tensor | None = None,
     stop_sequences: tuple[tuple[int, ...], ...] = (),
+    lengths: Tensor | None = None,
+    min_new_tokens: int = 0,
 ) -> Completions:
-    """``Completions`` from raw generated tokens ``[N, T]`` (anything after the first EOS or stop sequence is
-    ignored).
+    """``Completions`` from raw generated tokens ``[N, T]`` (anything after the first end is ignored).
 
-    A row is truncated when it has neither EOS nor a stop sequence within ``max_new_tokens`` tokens. The mask
-    covers the tokens up to and including the first EOS (or stop sequence); the rest becomes ``pad_token_id`` (and
-    log-prob 0), and trailing all-padding columns are cut off.
+    A row ends at its first token among ``eos_token_id`` (one id or every EOS id of the model) or its first stop
+    sequence (``stop_lengths``), and is truncated when it has neither within ``max_new_tokens`` tokens. ``lengths``
+    ``[N]`` says how many of a row's tokens were generated (the rest is padding; default: all): a row the engine
+    stopped short of ``max_new_tokens`` without an end (vLLM at its ``max_model_len``) is truncated there, and the
+    padding after it is never taken for tokens or an EOS. The mask covers the tokens up to and including the end;
+    the rest becomes ``pad_token_id`` (and log-prob 0), and trailing all-padding columns are cut off.
     """
     n, width = tokens.shape
-    is_eos = tokens == eos_token_id
+    positions = torch.arange(width, device=tokens.device)
+    generated = torch.full((n,), width, dtype=torch.long, device=tokens.device) if lengths is None else lengths
+    real = positions[None, :] < generated[:, None]
+    ends = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=tokens.device)
+    is_eos = torch.isin(tokens, ends) & real & (positions[None, :] >= min_new_tokens)
     none = torch.full((n,), width + 1, dtype=torch.long, device=tokens.device)
     first_end = torch.where(is_eos.any(-1), is_eos.float().argmax(-1) + 1, none)
-    first_end = torch.minimum(first_end, stop_lengths(tokens, stop_sequences))
+    stops = stop_lengths(tokens.masked_fill(~real, -1), stop_sequences, min_new_tokens)
+    first_end = torch.minimum(first_end, stops)
     ended = first_end <= width
-    lengths = torch.where(ended, first_end, torch.full_like(first_end, min(width, max_new_tokens)))
+    lengths = torch.where(ended, first_end, generated.clamp(max=max_new_tokens))
     keep = int(lengths.max()) if n else 0
     mask = (torch.arange(keep, device=tokens.device)[None, :] < lengths[:, None]).long()
     completion_ids = tokens[:, :keep].masked_fill(mask == 0, pad_token_id)

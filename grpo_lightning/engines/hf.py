@@ -3,13 +3,18 @@
 Slower than the ``lean`` loop (every sample of a group prefills its prompt again, and the cache grows by
 concatenation), but it is exactly what ``transformers`` users know: the same logits processors, the same stopping.
 Its random draws come from the caller's generator: ``generate()`` samples from torch's global RNG, so each call
-runs under a forked RNG seeded from the generator, and the training run's global stream is left untouched.
+runs under a forked RNG seeded from the generator, and the training run's global stream is left untouched. It
+samples from ``SamplingParams`` alone: the model's ``generation_config`` (a repetition penalty, top-k, ...) is
+kept out of ``generate()``, so the distribution is the one the loss and π_old model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from grpo_lightning.engines.base import (
@@ -23,19 +28,43 @@ from grpo_lightning.engines.base import (
 
 
 class StopOnSequences(StoppingCriteria):
-    """Ends a row of ``generate()`` once its new tokens end with one of ``sequences`` (token ids)."""
+    """Ends a row of ``generate()`` once its new tokens end with one of ``sequences`` (token ids) whose last token is
+    at index ``min_new_tokens`` or later (the rule of ``engines.base.stop_lengths``)."""
 
-    def __init__(self, sequences: tuple[tuple[int, ...], ...], prompt_length: int) -> None:
+    def __init__(
+        self, sequences: tuple[tuple[int, ...], ...], prompt_length: int, min_new_tokens: int = 0
+    ) -> None:
         self.sequences, self.prompt_length = [s for s in sequences if s], prompt_length
+        self.min_new_tokens = min_new_tokens
 
     def __call__(self, input_ids: Tensor, scores: Tensor, **kwargs: object) -> Tensor:
         done = torch.zeros(input_ids.size(0), dtype=torch.bool, device=input_ids.device)
         new = input_ids.size(1) - self.prompt_length
+        if new <= self.min_new_tokens:  # the last token's index is new - 1
+            return done
         for sequence in self.sequences:
             if new >= len(sequence):
                 target = torch.tensor(sequence, device=input_ids.device)
                 done |= (input_ids[:, -len(sequence) :] == target).all(-1)
         return done
+
+
+@contextmanager
+def without_model_defaults(model: nn.Module) -> Iterator[None]:
+    """The model's ``generation_config`` replaced by an empty one for the block.
+
+    transformers 5 fills every field a ``GenerationConfig`` passed to ``generate()`` leaves unset from the model's
+    own (Qwen2.5-Instruct ships ``repetition_penalty``, ``top_k``, ``top_p`` and ``temperature``), and which fields
+    change the distribution grows with every release (``min_p``, ``no_repeat_ngram_size``, ``sequence_bias``, ...):
+    with nothing to fill from, only what the engine sets applies.
+    """
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    saved = base.generation_config
+    base.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        base.generation_config = saved
 
 
 class TransformersEngine(RolloutEngine):
@@ -45,8 +74,8 @@ class TransformersEngine(RolloutEngine):
     shares_weights = True
 
     def generation_config(self, params: SamplingParams, group_size: int) -> GenerationConfig:
-        """A fresh config (not the model's ``generation_config``, whose defaults such as ``top_k=50`` or a
-        repetition penalty would change the distribution the loss assumes)."""
+        """The whole sampling distribution, from ``params`` only: the model's ``generation_config`` never adds to it
+        (see ``without_model_defaults``)."""
         sampling = {} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p}
         return GenerationConfig(
             do_sample=not params.greedy,
@@ -54,9 +83,9 @@ class TransformersEngine(RolloutEngine):
             max_new_tokens=params.max_new_tokens,
             min_new_tokens=0 if params.greedy else params.min_new_tokens,
             num_return_sequences=group_size,
-            eos_token_id=self.eos_token_id,
+            eos_token_id=list(self.eos_token_ids or [self.eos_token_id]),
             pad_token_id=self.pad_token_id,
-            output_logits=True,
+            output_scores=True,
             return_dict_in_generate=True,
             **sampling,
         )
@@ -80,20 +109,19 @@ class TransformersEngine(RolloutEngine):
             ids, mask = prompt_ids[start : start + prompts_per_chunk], prompt_mask[start : start + prompts_per_chunk]
             seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device)) if generator else 0
             devices = [device] if device.type == "cuda" else []
-            with torch.random.fork_rng(devices=devices), eval_mode(self.policy):
+            min_new = config.min_new_tokens
+            with torch.random.fork_rng(devices=devices), eval_mode(self.policy), without_model_defaults(self.policy):
                 torch.manual_seed(seed)
-                stopping = StoppingCriteriaList([StopOnSequences(params.stop_sequences, ids.size(1))])
+                stopping = StoppingCriteriaList([StopOnSequences(params.stop_sequences, ids.size(1), min_new)])
                 out = self.policy.generate(
                     input_ids=ids, attention_mask=mask, generation_config=config, stopping_criteria=stopping
                 )
             tokens = out.sequences[:, ids.size(1) :]
             logprobs = None
             if return_logprobs:
-                # ``logits`` are the raw scores of each step, before processors: the tempered log-softmax is what
-                # the training forward computes (top-k/top-p and the min-length EOS ban are sampling rules only).
-                scores = torch.stack(out.logits, dim=1).float()
-                if params.temperature != 1.0 and not params.greedy:
-                    scores = scores / params.temperature
+                # ``scores`` are each step's logits after the processors that sampled it (the EOS ban, temperature,
+                # top-k, top-p; none when greedy): the distribution the token was drawn from.
+                scores = torch.stack(out.scores, dim=1).float()
                 logprobs = scores.log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
             chunks.append(
                 completions_from_tokens(
@@ -101,11 +129,12 @@ class TransformersEngine(RolloutEngine):
                     mask,
                     tokens,
                     group_size=group_size,
-                    eos_token_id=self.eos_token_id,
+                    eos_token_id=self.eos_token_ids or self.eos_token_id,
                     pad_token_id=self.pad_token_id,
                     max_new_tokens=params.max_new_tokens,
                     logprobs=logprobs,
                     stop_sequences=params.stop_sequences,
+                    min_new_tokens=min_new,
                 )
             )
         return concat_completions(chunks, self.pad_token_id)

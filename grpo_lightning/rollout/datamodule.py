@@ -16,6 +16,7 @@ passes of π_old and π_ref).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any, Literal
@@ -33,6 +34,7 @@ from grpo_lightning.rewards import RewardSpec
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.rollout.curriculum import CurriculumConfig, CurriculumSampler
+from grpo_lightning.rollout.multiturn import setup_environment
 from grpo_lightning.rollout.policy import EngineHandle, PolicySide
 from grpo_lightning.rollout.prompts import PromptEncoder, load_prompts, rename_prompt_column
 from grpo_lightning.rollout.round import RoundSettings, run_round
@@ -107,7 +109,8 @@ class RolloutDataModule(LightningDataModule):
             num_iterations: μ, optimisation passes over each rollout (DeepSeekMath Alg. 1).
             old_logprobs: where π_old's log-probs come from when a round has several optimizer steps:
                 ``sampler`` (the engine's, no extra pass), ``recompute`` (a forward pass over the rollout), ``auto``
-                (the engine's where they equal the trainer's: the policy's own weights in float32).
+                (the engine's where they equal the trainer's: the policy's own weights in float32, sampled without
+                top-k, top-p or a minimum length, whose filtered distribution is not the policy's).
             mask_truncated_completions: leave completions cut by ``max_new_tokens`` out of the loss (DAPO).
             dynamic_sampling: DAPO dynamic sampling: drop groups whose (outcome) rewards are all equal and draw
                 more prompts until the rollout is full of informative groups.
@@ -141,6 +144,12 @@ class RolloutDataModule(LightningDataModule):
             raise ConfigError(
                 f"data.old_logprobs: sampler takes π_old from the {self.engine.engine.name} engine, whose log-probs "
                 "are not the trainer's; use auto or recompute (the ratio needs the trainer's π_old)"
+            )
+        if old_logprobs == "sampler" and self.sampling.params().filtered:
+            raise ConfigError(
+                "data.old_logprobs: sampler takes π_old from the engine's log-probs, which are those of the filtered "
+                "distribution it sampled (data.sampling.top_k, top_p or min_new_tokens set), not the policy's; use "
+                "auto or recompute"
             )
         self.prompts_per_round, self.num_iterations = prompts_per_round, num_iterations
         self.mini_batch_size, self.micro_batch_size = mini_batch_size, micro_batch_size
@@ -216,13 +225,18 @@ class RolloutDataModule(LightningDataModule):
         ]
         if missing:
             raise ConfigError(f"{where} has no column {missing[0]!r}, which data.environment reads")
-        module = self.policy_side
+        module, engine = self.policy_side, self.engine.engine
+        if self.environment is not None:  # a chat format it cannot tell, a limit its frame does not fit: now
+            setup_environment(self.environment, module.tokenizer)
+        model_context = module.context_length()
+        context = engine.max_context(model_context)
         check_prompts(
             data,
             where,
             token_lengths=lambda prompts: [len(ids) for ids in self.encoder().token_ids(prompts)],
-            context_length=module.context_length(),
+            context_length=context,
             max_new_tokens=self.sampling.max_new_tokens,
+            context_name="the model's context" if context == model_context else engine.context_name,
         )
         return data
 
@@ -238,7 +252,10 @@ class RolloutDataModule(LightningDataModule):
             advantage=self.advantage,
             optimizer_steps=self.num_iterations * (self.rollout_size // mini),
             old_logprobs=self.old_logprobs,
-            engine_logprobs_exact=full_precision and engine.logprobs_match_policy(module.policy),
+            # top-k, top-p or a minimum length: the engine's log-probs are of the filtered distribution, not π_old's
+            engine_logprobs_exact=full_precision
+            and engine.logprobs_match_policy(module.policy)
+            and not self.sampling.params().filtered,
             importance_correction=not engine.shares_weights,
             mask_truncated_completions=self.mask_truncated_completions,
             dynamic_sampling=self.dynamic_sampling,
@@ -258,6 +275,7 @@ class RolloutDataModule(LightningDataModule):
                 "it), which gives the engine the policy's weights at every round start"
             )
         gather = module.all_gather if trainer.world_size > 1 else None
+        per_rank = functools.partial(gather_per_rank, trainer) if trainer.world_size > 1 else None
         with module.rollout_context():
             rollout = run_round(
                 self.next_prompts,
@@ -269,6 +287,7 @@ class RolloutDataModule(LightningDataModule):
                 generator=self.sampling_generator(module.device),
                 device=module.device,
                 all_gather=gather,
+                per_rank=per_rank,
             )
         if self.curriculum is not None:  # feed the round's pass rates back; adds curriculum/ metrics
             self.curriculum.observe(
