@@ -26,6 +26,7 @@ from grpo_lightning.callbacks.policy_sync import OldPolicySync
 from grpo_lightning.callbacks.wandb_logger import LoggerSaveConfigCallback
 from grpo_lightning.checkpoint_io import AtomicCheckpointIO
 from grpo_lightning.config import AdvantageConfig, ConfigError, EvalConfig, ObjectiveConfig, SamplingConfig
+from grpo_lightning.environments.tools import ToolBroken
 from grpo_lightning.guard import NonFiniteError
 from grpo_lightning.lora import LoraConfig
 from grpo_lightning.models.tiny import TinyModelConfig
@@ -252,7 +253,7 @@ def user_error(err: BaseException) -> BaseException | None:
     """
     seen = set()
     while err is not None and id(err) not in seen:
-        if isinstance(err, (ConfigError, RewardError, NonFiniteError)):
+        if isinstance(err, (ConfigError, RewardError, NonFiniteError, ToolBroken)):
             return err
         seen.add(id(err))
         err = err.__cause__ or err.__context__

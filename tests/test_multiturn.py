@@ -182,6 +182,27 @@ def test_a_stop_text_split_across_tokens_is_found_in_the_text():
     assert stop_lengths(torch.tensor([ids, ids]), (tuple(ids_of(tokenizer, "</tool>")),)).tolist() == [9, 9]
 
 
+def test_a_turn_ending_on_any_end_token_of_the_engine_is_over_not_truncated():
+    # Llama-3.1-Instruct ends turns on <|eot_id|> or <|eom_id|>, both EOS ids of its generation_config besides the
+    # tokenizer's EOS (engine.eos_token_ids): a turn ending on either is over, not cut by a length limit.
+    tokenizer = build_char_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|eom_id|>"]})
+
+    def policy(context: str) -> str:
+        return "5<|eom_id|>" if context.endswith("</result>") else "<tool>calculator: 2+3</tool>"
+
+    engine = ScriptedEngine(tokenizer, policy)
+    engine.eos_token_ids = (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|eom_id|>"))
+    out = generate_trajectories(
+        {"prompt": ["2+3="]},
+        engine=engine,
+        encoder=PromptEncoder(tokenizer),
+        environment=ToolEnvironment(tools=["calculator"], format="tag"),
+        params=SamplingParams(group_size=2, max_new_tokens=80),
+    )
+    assert not out.completions.truncated.any() and out.final_texts == ["5", "5"] and out.stats["turns"] == [2.0] * 2
+
+
 # ------------------------------------------------------------------ no loss, no KL on environment tokens
 @pytest.fixture
 def trajectory_batch():

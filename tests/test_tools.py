@@ -1,5 +1,6 @@
 """Tools and the tool environment: the calculator evaluates arithmetic only, the python tool runs in the sandbox,
-and every failure of a tool (error, timeout, unknown tool, malformed call, hostile input) becomes an observation."""
+every failure of a call (error, timeout, unknown tool, malformed call, hostile input) becomes an observation, and a
+broken tool (its sandbox fails) stops the rollout instead. Chat-template formats: ``test_chat_formats.py``."""
 
 from __future__ import annotations
 
@@ -8,20 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from grpo_lightning import environments
 from grpo_lightning.config import ConfigError
 from grpo_lightning.environments import ToolEnvironment, ToolError, calculator, resolve_tool
-from grpo_lightning.environments.formats import ChatTemplateFormat, TagFormat, tool_format
 from grpo_lightning.environments.tools import PythonTool
 from grpo_lightning.models.tiny import build_char_tokenizer
+from grpo_lightning.rewards import sandbox
 from grpo_lightning.rewards.sandbox import SandboxConfig
-
-QWEN_LIKE_TEMPLATE = (
-    "{% for m in messages %}"
-    "{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
-    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    "{# tools: <tool_call>{...}</tool_call> #}"
-)
 
 
 # ------------------------------------------------------------------------------------------- tools, user side
@@ -48,6 +42,7 @@ def user_echo(argument: str) -> str:
 
 
 def env_with(*tools: str, **kwargs) -> ToolEnvironment:
+    kwargs.setdefault("max_observation_tokens", 128)  # a character per token: room for the whole error messages
     env = ToolEnvironment(tools=list(tools), format="tag", **kwargs)
     env.setup(build_char_tokenizer())
     return env
@@ -135,9 +130,15 @@ def test_a_tool_past_its_time_limit_becomes_a_timeout_observation(tool):
     assert step.metrics["tool_errors"] == 1
 
 
-def test_long_results_are_cut():
+def user_broken(argument: str) -> str:
+    raise environments.ToolBroken("the lookup service is down")
+
+
+def test_long_results_are_cut_and_say_so():
     env = env_with(f"{__name__}:user_echo", max_result_chars=5)
-    assert env.step("<tool>user_echo: abcdefghij</tool>").observation == "<result>jihgf</result>"
+    assert env.step("<tool>user_echo: abcdefghij</tool>").observation == (
+        "<result>jihgf... [cut: 5 more characters]</result>"
+    )
 
 
 def test_unknown_tools_and_bad_settings_are_refused_when_configured():
@@ -194,25 +195,52 @@ def test_the_environment_turns_hostile_python_into_observations():
     assert env.step("<tool>python: print(6*7)</tool>").observation == "<result>42</result>"
 
 
-# ------------------------------------------------------------------------------------------------- formats
-def test_auto_picks_the_chat_template_format_where_the_template_has_tool_calls():
-    tokenizer = build_char_tokenizer()
-    assert isinstance(tool_format("auto", tokenizer), TagFormat)
-    tokenizer.chat_template = QWEN_LIKE_TEMPLATE
-    assert isinstance(tool_format("auto", tokenizer), ChatTemplateFormat)
+# ------------------------------------------------------------------------------------- a broken tool stops
+def test_a_sandbox_that_fails_stops_the_rollout_with_one_line_naming_the_tool(monkeypatch):
+    env = env_with("python")
+    monkeypatch.setattr(sandbox, "_HARNESS", "import sys\nsys.exit('harness cannot start')")  # fails before the code
+    with pytest.raises(RuntimeError) as raised:  # ToolBroken, not an observation
+        env.step("<tool>python: print(1)</tool>")
+    message = str(raised.value)
+    assert isinstance(raised.value, environments.ToolBroken) and "'python' is broken" in message
+    assert "harness cannot start" in message and "\n" not in message
+    env.tools["lookup"] = user_broken  # a tool that reports its own failure: the same
+    with pytest.raises(environments.ToolBroken, match="'lookup' is broken, not the policy's call: the lookup service"):
+        env.step("<tool>lookup: x</tool>")
 
 
-def test_the_chat_template_format_parses_json_calls_and_renders_results_with_the_template():
-    tokenizer = build_char_tokenizer()
-    tokenizer.chat_template = QWEN_LIKE_TEMPLATE
-    env = ToolEnvironment(tools=["calculator"], format="auto")
-    env.setup(tokenizer)
-    assert env.stop_texts == ("</tool_call>",)
-    step = env.step('<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>')
-    # After the assistant's text: its end of turn, the tool message and the next assistant header, as the
-    # template writes them.
-    assert step.observation == (
-        "<|im_end|>\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
-    )
-    bad = env.step("<tool_call>not json</tool_call>")
-    assert "error: a call is" in bad.observation
+def test_a_sandbox_that_cannot_start_here_is_a_broken_tool_reported_in_one_line(monkeypatch):
+    from grpo_lightning.cli import user_error
+
+    def no_namespaces(isolation):
+        raise RuntimeError("sandbox isolation 'namespaces' needs root and a working `unshare`; use 'auto' or 'process'")
+
+    monkeypatch.setattr(sandbox, "resolve_isolation", no_namespaces)
+    env = env_with("python")
+    broken = "'python' is broken.*isolation 'namespaces' needs root"
+    with pytest.raises(environments.ToolBroken, match=broken) as raised:
+        env.step("<tool>python: print(1)</tool>")
+    assert user_error(raised.value) is raised.value  # the command line prints it as one `error:` line
+
+
+def test_a_tool_timeout_leaves_no_sandbox_process_behind(monkeypatch):
+    started = []  # the sandbox's process group: its harness and everything the program started
+    collect = sandbox._collect
+    monkeypatch.setattr(sandbox, "_collect", lambda proc, *args: (started.append(proc.pid), collect(proc, *args))[1])
+    env = env_with("python", timeout_s=0.5)
+    env.tools["python"] = PythonTool(SandboxConfig(timeout_s=30.0, test_timeout_s=30.0))  # longer than the alarm
+    try:
+        step = env.step("<tool>python: import time; time.sleep(20)</tool>")
+        assert step.observation == "<result>error: timed out after 0.5s</result>" and len(started) == 1
+        deadline = time.monotonic() + 3.0
+        while sandbox.leftover_pids(started[0], None) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sandbox.leftover_pids(started[0], None) == []
+    finally:
+        for pgid in started:
+            sandbox._kill_leftovers(pgid, None)
+
+
+def test_the_python_tools_sandbox_clock_is_bounded_by_the_environments_time_limit():
+    env = ToolEnvironment(tools=["python"], format="tag", timeout_s=2.0)
+    assert env.tools["python"].config.timeout_s == 2.0 and env.tools["python"].config.test_timeout_s == 2.0

@@ -1,10 +1,14 @@
 """Environments of multi-turn rollouts (``data.environment``): the interface and the tool-calling environment.
 
 =====================  ==========================================================================================
-``base.py``            ``Environment`` (``reset(row)``, ``step(turn) -> Step``, limits) and ``Step``
+``base.py``            ``Environment`` (``reset(row)``, ``step(turn) -> Step``, limits, ``fit_observation``) and
+                       ``Step``
 ``tool_env.py``        ``ToolEnvironment``: runs the last tool call of each turn, answers with its result
 ``tools.py``           the tools: ``calculator``, ``python`` (the sandbox of the code reward), ``pkg.mod:fn``
-``formats.py``         how calls and results are written: tags, or the tokenizer's chat template
+``formats.py``         how calls and results are written: ``ToolCall``, ``TagFormat`` (tags)
+``chat_formats.py``    the chat template's own calls (Hermes/Qwen, Llama-3 JSON), found by rendering one;
+                       ``tool_format`` picks the format of the ``format`` setting
+``stops.py``           stop texts in token space: the turn's cut (linear scan) and the engine's stop sequences
 =====================  ==========================================================================================
 
 The rollout that drives them, in token space, is ``grpo_lightning/rollout/multiturn.py``.
@@ -12,8 +16,18 @@ The rollout that drives them, in token space, is ``grpo_lightning/rollout/multit
 
 from __future__ import annotations
 
-from grpo_lightning.environments.base import Environment, Step, check_environment
+from grpo_lightning.environments.base import Environment, Step, check_environment, cut_marker
 from grpo_lightning.environments.tool_env import ToolEnvironment
-from grpo_lightning.environments.tools import ToolError, calculator, resolve_tool
+from grpo_lightning.environments.tools import ToolBroken, ToolError, calculator, resolve_tool
 
-__all__ = ["Environment", "Step", "ToolEnvironment", "ToolError", "calculator", "check_environment", "resolve_tool"]
+__all__ = [
+    "Environment",
+    "Step",
+    "ToolBroken",
+    "ToolEnvironment",
+    "ToolError",
+    "calculator",
+    "check_environment",
+    "cut_marker",
+    "resolve_tool",
+]

@@ -7,20 +7,32 @@ A trajectory alternates policy turns and environment answers, all in token space
 The environment sees text: the row it was reset from and each turn's decoded text; it answers with an observation
 (text that is tokenized once and appended: in the model's context, out of the loss), reward parts and whether the
 trajectory is over. The rollout makes one copy of the configured environment per trajectory (``spawn``), so an
-environment may keep per-trajectory state on ``self``.
+environment may keep per-trajectory state on ``self``; what ``shared`` names (the tokenizer) is shared, not copied.
 
 The limits of a trajectory (``max_turns``, tokens per turn, observation tokens) are settings of every environment;
-the total length limit is ``data.sampling.max_new_tokens``, everything after the prompt counted.
+the total length limit is ``data.sampling.max_new_tokens``, everything after the prompt counted. An observation
+must fit ``max_observation_tokens``: ``fit_observation`` cuts the *text* inside its frame (a tool result inside its
+closing tag and the next turn's header) and says so; the rollout cuts an oversize observation's tokens only as a
+last resort, which cuts the frame too.
 """
 
 from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_lightning.config import ConfigError
+
+CUT_MARKER = "... [cut: {count} more characters]"
+SHORT_CUT_MARKER = "..."  # where the full marker does not fit (a character per token, a tight limit)
+
+
+def cut_marker(count: int) -> str:
+    """What replaces the end of a text cut to fit: says how many characters were left out."""
+    return CUT_MARKER.format(count=count)
 
 
 @dataclass
@@ -42,8 +54,12 @@ class Environment(ABC):
     """One trajectory's environment: ``reset(row)``, then ``step(turn_text)`` after every policy turn but the last.
 
     Subclasses implement ``reset`` and ``step``; ``stop_texts`` lists texts after which a turn ends early (a tool
-    call's close tag), so that the environment can answer it before the policy goes on.
+    call's close tag), so that the environment can answer it before the policy goes on. An observation that may be
+    long is best returned through ``fit_observation`` (its text cut to ``max_observation_tokens``, its frame kept).
     """
+
+    shared: tuple[str, ...] = ("tokenizer",)
+    """Attributes every trajectory's copy shares instead of copying: heavy and read-only (a subclass may add to it)."""
 
     def __init__(
         self, max_turns: int = 4, max_turn_tokens: int | None = None, max_observation_tokens: int = 64
@@ -52,7 +68,7 @@ class Environment(ABC):
         Args:
             max_turns: policy turns per trajectory at most (the last one is scored whatever it holds).
             max_turn_tokens: tokens one policy turn may generate; None = ``data.sampling.max_new_tokens``.
-            max_observation_tokens: an observation longer than this many tokens is cut to it.
+            max_observation_tokens: tokens of one observation at most (``fit_observation`` cuts the text to fit).
         """
         for name, value in (("max_turns", max_turns), ("max_observation_tokens", max_observation_tokens)):
             if value < 1:
@@ -69,8 +85,46 @@ class Environment(ABC):
         self.tokenizer = tokenizer
 
     def spawn(self) -> Environment:
-        """A fresh copy for one trajectory (a deep copy; override for state that cannot be copied)."""
-        return copy.deepcopy(self)
+        """A fresh copy for one trajectory: a deep copy, except the attributes ``shared`` names (the tokenizer)."""
+        memo = {id(value): value for value in (getattr(self, name, None) for name in self.shared) if value is not None}
+        return copy.deepcopy(self, memo)
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens of ``text`` tokenized on its own, as the rollout tokenizes an observation (needs ``setup``)."""
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def fit_observation(
+        self, text: str, render: Callable[[str], str] | None = None, max_chars: int | None = None
+    ) -> str:
+        """``render(text)`` within ``max_observation_tokens`` tokens, ``text`` cut to fit and the frame kept.
+
+        ``render`` wraps the text in its frame (``<result>...</result>``, or the chat template's tool message up to
+        the next assistant header); when the whole does not fit, or ``text`` is longer than ``max_chars``
+        characters, the longest prefix of ``text`` that fits is kept, followed by ``cut_marker`` (how many
+        characters were left out), or by ``...`` where that marker leaves no room. A binary search over the prefix
+        length: O(log n) tokenizations. When even the frame and ``...`` do not fit, they are returned as they are
+        (the rollout then cuts the tokens, a last resort).
+        """
+        render = render or (lambda inner: inner)
+        keep = len(text) if max_chars is None else min(len(text), max_chars)
+
+        def candidate(k: int, short: bool = False) -> str:
+            marker = SHORT_CUT_MARKER if short else cut_marker(len(text) - k)
+            return render(text if k >= len(text) else text[:k] + marker)
+
+        def fits(k: int, short: bool = False) -> bool:
+            return self.count_tokens(candidate(k, short)) <= self.max_observation_tokens
+
+        if getattr(self, "tokenizer", None) is None or fits(keep):  # not set up (nothing to count with), or fits
+            return candidate(keep)
+        short = not fits(0)  # the full marker leaves no room: the short one
+        if short and not fits(0, short):  # the frame alone is too long: the rollout's last resort cuts it
+            return candidate(0, short)
+        low, high = 0, keep - 1  # fits(low) holds, fits(keep) does not: the largest k that fits
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if fits(middle, short) else (low, middle - 1)
+        return candidate(low, short)
 
     @property
     def stop_texts(self) -> tuple[str, ...]:

@@ -2,13 +2,11 @@
 
 - ``TagFormat`` (the default): ``<tool>calculator: 12*34</tool>`` is answered by ``<result>408</result>``. Short,
   and learnable by a tiny character-level model.
-- ``ChatTemplateFormat``: the Hermes / Qwen convention that chat templates with tool support use,
-  ``<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>``; the result is rendered
-  by the tokenizer's own chat template as a ``tool`` message after the assistant's turn (so the observation holds
-  the template's end-of-turn, tool-message and next assistant-header text, exactly as the template writes them).
+- the chat template's own format (``chat_formats.py``): Hermes / Qwen ``<tool_call>{json}</tool_call>`` or
+  Llama-3.1+ JSON calls, each result rendered by the template as a tool message.
 
-``tool_format("auto", tokenizer)`` picks the chat template's format when the template handles tool calls
-(mentions ``tool_call``), the tag format otherwise.
+``chat_formats.tool_format(name, tokenizer)`` picks one for the ``format`` setting. Here: ``ToolCall``, the
+``ToolFormat`` interface, ``TagFormat`` and ``argument_text``, which the chat formats share.
 """
 
 from __future__ import annotations
@@ -16,12 +14,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
-
-from grpo_lightning.config import ConfigError
-
-# A marker the assistant's content is replaced by when rendering, to find where the template's own text begins.
-_MARK = "\x00GRPO_TURN\x00"
+from typing import Any, Protocol
 
 
 @dataclass
@@ -33,8 +26,43 @@ class ToolCall:
     error: str | None = None
 
 
-class TagFormat:
+class ToolFormat(Protocol):
+    """What ``ToolEnvironment`` needs of a format."""
+
+    name: str
+    """Its name in messages (``tag``, ``hermes``, ``llama3_json``)."""
+
+    @property
+    def stop_texts(self) -> tuple[str, ...]:
+        """Texts that end a policy turn holding a call, so that the environment can answer it."""
+
+    def last_call(self, turn: str) -> ToolCall | None:
+        """The last complete call in ``turn``, or None when it has none (the turn is then a final answer)."""
+
+    def result(self, text: str) -> str:
+        """The observation that answers a call with ``text``: the result inside its frame, up to the next turn."""
+
+
+class TaggedCalls:
+    """Calls written between an open and a close tag (ours, Hermes'); a turn holding one stops at the close tag."""
+
+    def __init__(self, open_tag: str, close_tag: str) -> None:
+        self.open_tag, self.close_tag = open_tag, close_tag
+        self._call = re.compile(re.escape(open_tag) + r"(.*?)" + re.escape(close_tag), re.DOTALL)
+
+    @property
+    def stop_texts(self) -> tuple[str, ...]:
+        return (self.close_tag,)
+
+    def tagged_calls(self, turn: str) -> list[str]:
+        """What each complete call of ``turn`` holds between its tags, in order."""
+        return self._call.findall(turn)
+
+
+class TagFormat(TaggedCalls):
     """``<tool>name: argument</tool>`` → ``<result>text</result>``."""
+
+    name = "tag"
 
     def __init__(
         self,
@@ -43,17 +71,12 @@ class TagFormat:
         result_open: str = "<result>",
         result_close: str = "</result>",
     ) -> None:
-        self.open_tag, self.close_tag = open_tag, close_tag
+        super().__init__(open_tag, close_tag)
         self.result_open, self.result_close = result_open, result_close
-        self._call = re.compile(re.escape(open_tag) + r"(.*?)" + re.escape(close_tag), re.DOTALL)
-
-    @property
-    def stop_text(self) -> str:
-        return self.close_tag
 
     def last_call(self, turn: str) -> ToolCall | None:
         """The last complete call in ``turn``, or None when it has none (the turn is then a final answer)."""
-        calls = self._call.findall(turn)
+        calls = self.tagged_calls(turn)
         if not calls:
             return None
         name, sep, argument = calls[-1].partition(":")
@@ -65,55 +88,8 @@ class TagFormat:
         return f"{self.result_open}{text}{self.result_close}"
 
 
-class ChatTemplateFormat:
-    """Hermes-style JSON calls in ``<tool_call>`` tags; results rendered by the tokenizer's chat template."""
-
-    open_tag, close_tag = "<tool_call>", "</tool_call>"
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self._call = re.compile(re.escape(self.open_tag) + r"(.*?)" + re.escape(self.close_tag), re.DOTALL)
-
-    @property
-    def stop_text(self) -> str:
-        return self.close_tag
-
-    def last_call(self, turn: str) -> ToolCall | None:
-        calls = self._call.findall(turn)
-        if not calls:
-            return None
-        try:
-            call = json.loads(calls[-1])
-            name, arguments = call["name"], call.get("arguments", "")
-        except (ValueError, KeyError, TypeError):
-            return ToolCall(None, calls[-1], 'a call is {"name": ..., "arguments": ...} in JSON')
-        if isinstance(arguments, dict) and len(arguments) == 1:
-            arguments = next(iter(arguments.values()))  # one-argument tools take the value itself
-        return ToolCall(str(name), arguments if isinstance(arguments, str) else json.dumps(arguments))
-
-    def result(self, text: str) -> str:
-        """What the template writes after an assistant turn for a tool message holding ``text``, up to the next
-        assistant turn's header."""
-        messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
-        rendered = self.tokenizer.apply_chat_template(
-            [*messages, {"role": "tool", "content": text}], tokenize=False, add_generation_prompt=True
-        )
-        if _MARK not in rendered:
-            raise ConfigError(
-                "data.environment.init_args.format: the chat template does not render the assistant's text"
-            )
-        return rendered.split(_MARK, 1)[1]
-
-
-def tool_format(name: str, tokenizer: Any) -> TagFormat | ChatTemplateFormat:
-    """The format ``name`` (``tag``, ``chat_template`` or ``auto``) for ``tokenizer``."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    if name == "auto":
-        name = "chat_template" if isinstance(template, str) and "tool_call" in template else "tag"
-    if name == "tag":
-        return TagFormat()
-    if name == "chat_template":
-        if not template:
-            raise ConfigError("data.environment.init_args.format: chat_template needs a tokenizer with a chat template")
-        return ChatTemplateFormat(tokenizer)
-    raise ConfigError(f"data.environment.init_args.format must be tag, chat_template or auto (got {name!r})")
+def argument_text(arguments: Any) -> str:
+    """A JSON call's arguments as the one text a tool takes: a single argument's value itself, else the JSON."""
+    if isinstance(arguments, dict) and len(arguments) == 1:
+        arguments = next(iter(arguments.values()))
+    return arguments if isinstance(arguments, str) else json.dumps(arguments)

@@ -1,31 +1,43 @@
 """``ToolEnvironment``: the policy calls tools across turns; each call's result is the next observation.
 
-After each policy turn, the last complete tool call of the turn (``formats.py``) is run; its result, or
-``error: <why>`` when the tool is unknown, raises, returns something that is not text or runs past ``timeout_s``,
-is the observation, and the policy's next turn follows it. A turn without a tool call is the final answer: the
-trajectory ends there and the configured rewards score it. Nothing a tool does stops the rollout.
+After each policy turn, the last complete tool call of the turn (``formats.py``, ``chat_formats.py``) is run; its
+result, or ``error: <why>`` when the tool is unknown, raises, returns something that is not text or runs past
+``timeout_s``, is the observation, and the policy's next turn follows it. A turn without a tool call is the final
+answer: the trajectory ends there and the configured rewards score it. Nothing the policy's call does stops the
+rollout; a tool that is itself broken does (``ToolBroken``, or the sandbox's ``SandboxError``): one line naming the
+tool, rather than the same ``error:`` observation on every call of the run.
+
+A result longer than ``max_result_chars`` characters, or whose observation would pass ``max_observation_tokens``,
+is cut inside its frame (``Environment.fit_observation``): the close tag or the template's end of the tool message
+and the next assistant header stay, and the text says how many characters were cut.
 
 Time limit: ``timeout_s`` interrupts the tool with ``SIGALRM`` (``rewards/combine.py: time_limit``), which stops
-Python code, not a long C call, and only in the main thread (where rollouts run); the ``python`` tool has the
-sandbox's own wall clock, enforced by killing its process. Untrusted code belongs in ``python``, not in a
-user function.
+Python code, not a long C call, and only in the main thread (where rollouts run); the ``python`` tool's sandbox has
+its own wall clock, bounded by ``timeout_s``, and kills its processes however the call ends. Untrusted code
+belongs in ``python``, not in a user function.
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from typing import Any
 
 from grpo_lightning.config import ConfigError
-from grpo_lightning.environments.base import Environment, Step
-from grpo_lightning.environments.formats import ChatTemplateFormat, TagFormat, tool_format
-from grpo_lightning.environments.tools import Tool, resolve_tool
+from grpo_lightning.environments.base import SHORT_CUT_MARKER, Environment, Step, cut_marker
+from grpo_lightning.environments.chat_formats import tool_format
+from grpo_lightning.environments.formats import TagFormat, ToolFormat
+from grpo_lightning.environments.tools import PythonTool, Tool, ToolBroken, resolve_tool
 from grpo_lightning.rewards.combine import TimeLimitExceeded, time_limit
+from grpo_lightning.rewards.sandbox import SandboxError
+
+# The longest cut the setup message makes room for in the full marker: a result of up to a billion characters.
+_LARGEST_CUT = 999_999_999
 
 
 class ToolEnvironment(Environment):
     """Tools by name (``calculator``, ``python``, ``pkg.module:fn``), called in the format of ``format``."""
+
+    shared = (*Environment.shared, "tools", "format")  # stateless: every trajectory's copy uses the same
 
     def __init__(
         self,
@@ -41,13 +53,13 @@ class ToolEnvironment(Environment):
         Args:
             tools: the tools the policy may call; default ``[calculator]``.
             format: ``tag`` (``<tool>name: arg</tool>`` → ``<result>...</result>``), ``chat_template`` (the
-                tokenizer's Hermes-style ``<tool_call>`` JSON), or ``auto`` (the template's where it has tool
-                calls, else tags).
-            timeout_s: time limit of one tool call.
-            max_result_chars: a longer result is cut to this many characters.
+                tokenizer's chat template's own calls: Hermes/Qwen ``<tool_call>`` or Llama-3 JSON), or ``auto``
+                (the template's where it writes tool calls, else tags).
+            timeout_s: time limit of one tool call (also bounds the ``python`` tool's sandbox clock).
+            max_result_chars: a longer result is cut to this many characters (and says so).
             max_turns: policy turns per trajectory at most.
             max_turn_tokens: tokens per policy turn; None = ``data.sampling.max_new_tokens``.
-            max_observation_tokens: observations are cut to this many tokens.
+            max_observation_tokens: tokens of one observation at most: the result is cut to fit inside its frame.
         """
         super().__init__(max_turns, max_turn_tokens, max_observation_tokens)
         if timeout_s <= 0:
@@ -58,22 +70,30 @@ class ToolEnvironment(Environment):
         if not names:
             raise ConfigError("data.environment.init_args.tools is empty: list at least one tool")
         self.tools: dict[str, Tool] = {name.rpartition(":")[2].rpartition(".")[2]: resolve_tool(name) for name in names}
+        for name, tool in self.tools.items():
+            if isinstance(tool, PythonTool):  # its sandbox stops the program by itself, before the alarm would
+                self.tools[name] = tool.bounded(timeout_s)
         self.format_name, self.timeout_s, self.max_result_chars = format, timeout_s, max_result_chars
         if format not in ("tag", "chat_template", "auto"):
             raise ConfigError(f"data.environment.init_args.format must be tag, chat_template or auto (got {format!r})")
-        self.format: TagFormat | ChatTemplateFormat = TagFormat()
+        self.format: ToolFormat = TagFormat()
 
     def setup(self, tokenizer: Any) -> None:
+        """Picks the format for ``tokenizer`` and checks that an observation's frame fits its token limit."""
         super().setup(tokenizer)
         self.format = tool_format(self.format_name, tokenizer)
-
-    def spawn(self) -> ToolEnvironment:
-        """A shallow copy: tools, format and tokenizer are shared (a tool call keeps no per-trajectory state)."""
-        return copy.copy(self)
+        smallest = self.count_tokens(self.format.result(SHORT_CUT_MARKER))
+        if smallest > self.max_observation_tokens:
+            full = self.count_tokens(self.format.result(cut_marker(_LARGEST_CUT)))
+            raise ConfigError(
+                f"data.environment.init_args.max_observation_tokens = {self.max_observation_tokens} cannot hold the "
+                f"{self.format.name} format's result frame and a cut marker: set it to at least {smallest} ({full} to "
+                "say how many characters a cut result lost)"
+            )
 
     @property
     def stop_texts(self) -> tuple[str, ...]:
-        return (self.format.stop_text,)
+        return self.format.stop_texts
 
     def reset(self, row: dict[str, Any]) -> str | None:
         return None
@@ -87,13 +107,13 @@ class ToolEnvironment(Environment):
         seconds = time.perf_counter() - start
         if failed:
             text = f"error: {text}"
-        if len(text) > self.max_result_chars:
-            text = text[: self.max_result_chars]
         metrics = {"tool_calls": 1.0, "tool_errors": float(failed), "tool_seconds": seconds}
-        return Step(observation=self.format.result(text), metrics=metrics)
+        observation = self.fit_observation(text, self.format.result, max_chars=self.max_result_chars)
+        return Step(observation=observation, metrics=metrics)
 
     def run(self, name: str | None, argument: str) -> tuple[str, bool]:
-        """``(result text, failed)`` of one call; never raises (an interrupt by the user aside)."""
+        """``(result text, failed)`` of one call. Raises only for a broken tool (``ToolBroken``: its own failure,
+        not the call's, such as a sandbox that does not start) and for an interrupt by the user."""
         tool = self.tools.get(name or "")
         if tool is None:
             return f"unknown tool {name!r}; tools: {', '.join(self.tools)}", True
@@ -102,7 +122,10 @@ class ToolEnvironment(Environment):
                 value = tool(argument)
         except TimeLimitExceeded:
             return f"timed out after {self.timeout_s:g}s", True
-        except Exception as err:  # noqa: BLE001 - every failure of a tool is an observation, never a crash
+        except (ToolBroken, SandboxError) as err:
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise ToolBroken(f"data.environment: the tool {name!r} is broken, not the policy's call: {reason}") from err
+        except Exception as err:  # noqa: BLE001 - every failure of a call is an observation, never a crash
             return str(err) or type(err).__name__, True
         if not isinstance(value, str):
             return f"the tool returned {type(value).__name__}, not text", True

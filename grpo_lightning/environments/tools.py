@@ -2,13 +2,18 @@
 
 A tool is a function ``fn(argument: str) -> str``: the text between the call's name and its close tag in, the
 result's text out. ``resolve_tool`` finds one by name: a built-in, or an import path ``pkg.module:fn`` (or
-``pkg.module.fn``). A tool may raise: ``ToolEnvironment`` turns every failure into an ``error: ...`` observation.
+``pkg.module.fn``). A tool may raise: ``ToolEnvironment`` turns a failure of the call (bad input, an exception, a
+timeout) into an ``error: ...`` observation for the policy to read. A failure of the tool itself (its sandbox does
+not start, a service it needs is down) is no answer to the call: the tool raises ``ToolBroken`` (the sandbox's own
+``SandboxError`` counts as one), and the rollout stops with one line naming the tool instead of answering every
+call with the same error.
 
 - ``calculator`` parses the argument with ``ast`` and evaluates numbers, ``+ - * / // % **`` and parentheses
   only: no names, no calls, no ``eval``; exponents and results are bounded so ``9**9**9`` cannot hang it.
 - ``python`` runs the argument as a program in ``rewards/sandbox.py`` (the same process isolation, resource
   limits and guards as the ``code_execution`` reward, configured by the same ``SandboxConfig``) and returns what it
-  printed; an exception, a timeout or an exceeded limit is an error.
+  printed; an exception, a timeout or an exceeded limit is an error. ``ToolEnvironment`` bounds its time limits by
+  its own ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -19,16 +24,21 @@ import math
 import operator
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from grpo_lightning.config import ConfigError
-from grpo_lightning.rewards.sandbox import SandboxConfig, run_tests
+from grpo_lightning.rewards.sandbox import SandboxConfig, SandboxError, run_tests
 
 Tool = Callable[[str], str]
 
 
 class ToolError(Exception):
     """A tool refused its input or failed; the message becomes the observation ``error: <message>``."""
+
+
+class ToolBroken(RuntimeError):
+    """The tool itself is broken (not the call): raised, it stops the rollout with one line naming the tool."""
 
 
 # ----------------------------------------------------------------------------------------------- calculator
@@ -102,8 +112,18 @@ class PythonTool:
     def __init__(self, config: SandboxConfig | None = None) -> None:
         self.config = config or SandboxConfig(timeout_s=5.0, test_timeout_s=3.0)
 
+    def bounded(self, seconds: float) -> PythonTool:
+        """A copy whose sandbox ends the program within ``seconds`` (its wall clock and per-run timer)."""
+        wall, per_run = min(self.config.timeout_s, seconds), min(self.config.test_timeout_s, seconds)
+        return PythonTool(replace(self.config, timeout_s=wall, test_timeout_s=per_run))
+
     def __call__(self, code: str) -> str:
-        result = run_tests(code, [""], "io", self.config)  # one run of the program, on empty stdin
+        try:
+            result = run_tests(code, [""], "io", self.config)  # one run of the program, on empty stdin
+        except SandboxError:
+            raise
+        except (OSError, RuntimeError, ValueError) as err:  # no process could start, an isolation level missing here
+            raise ToolBroken(f"the sandbox cannot run here: {err}") from err
         if result.timed_out:
             raise ToolError(f"timed out after {self.config.test_timeout_s:g}s")
         if result.output_exceeded:

@@ -168,8 +168,7 @@ def _collect(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, 
                     selector.unregister(key.fileobj)
                     continue
                 buffers[key.fileobj] += chunk
-                if len(buffers[key.fileobj]) > cap:
-                    exceeded = True
+                exceeded = exceeded or len(buffers[key.fileobj]) > cap
             if exceeded:
                 break
     return bytes(buffers[proc.stdout]), bytes(buffers[proc.stderr]), timed_out, exceeded
@@ -239,6 +238,9 @@ def _run(code: str, tests: list[Any], kind: str, config: SandboxConfig, isolatio
             tail = result.stderr.strip().splitlines()[-1:] or [f"exit status {result.returncode}"]
             raise SandboxError(f"the sandbox ({isolation}) failed before running the code: {tail[0]}")
         result.results = _parse_reports(out, len(tests))
+    except BaseException:  # a caller's time limit (SIGALRM) while waiting above, too: nothing started outlives it
+        _kill_leftovers(result.pgid, uid)
+        raise
     finally:
         if host_dir is not None:
             shutil.rmtree(host_dir, ignore_errors=True)

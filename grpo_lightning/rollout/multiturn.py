@@ -6,11 +6,15 @@
     2. each later turn is sampled from the trajectory's own token ids so far (prompt + earlier turns +
        observations), never from re-tokenized text: a token the policy drew stays that token (TRL #5224, verl
        #3960 are the drift this avoids);
-    3. a turn ends at EOS, at a stop text of the environment (a tool call's close tag: ``SamplingParams.
-       stop_sequences`` lets the engine stop there, and the turn is cut there in any case, which leaves the
-       distribution of what was kept unchanged) or at its length limit;
+    3. a turn ends at an end token (any of ``engine.eos_token_ids``: the tokenizer's EOS and the model's
+       ``generation_config`` EOS ids), at a stop text of the environment or at its length limit. Stop texts follow
+       ``environments/stops.py``: the turn is cut after the first token at which its text (special tokens kept)
+       holds one, found in one linear scan, and ``SamplingParams.stop_sequences`` (every tokenization of the stop
+       texts) lets the engine stop there early; the kept tokens are the same either way;
     4. the environment answers the turn's text (``step``): ``done`` ends the trajectory (the turn was the final
-       answer); otherwise its observation is tokenized on its own and appended, and the next turn follows.
+       answer); otherwise its observation is tokenized on its own and appended, and the next turn follows. An
+       environment fits its observations to ``max_observation_tokens`` (``Environment.fit_observation``: the text
+       cut, its frame kept); the rollout cuts an oversize one's tokens only as a last resort, with a warning.
 
 The whole trajectory after the prompt is the "completion" of the rest of the pipeline: ``completion_mask`` = every
 token (all are context for the log-prob passes), ``action_mask`` = the policy's tokens only, which becomes the
@@ -27,6 +31,7 @@ turn's cache yet.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +40,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams
+from grpo_lightning.environments import stops
 from grpo_lightning.environments.base import Environment
 from grpo_lightning.rollout.prompts import PromptEncoder
+
+_WARNED_OVERSIZE: set[str] = set()  # environment classes already warned about an oversize observation
 
 
 @dataclass
@@ -80,18 +88,42 @@ def setup_environment(environment: Environment, tokenizer: Any) -> None:
 
 
 def stop_sequences(environment: Environment, tokenizer: Any) -> tuple[tuple[int, ...], ...]:
-    """The environment's stop texts as token ids (the engine's early stop; the text check stays the rule)."""
-    return tuple(tuple(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in environment.stop_texts)
+    """The token sequences of the environment's stop texts, for the engine's early stop (``stops.stop_sequences``:
+    alone and in context; the text rule stays the rule)."""
+    return stops.stop_sequences(environment.stop_texts, tokenizer)
 
 
 def cut_at_stop_text(ids: list[int], stop_texts: tuple[str, ...], tokenizer: Any) -> int:
-    """The shortest prefix of ``ids`` whose text holds a stop text (``len(ids)`` when none does)."""
-    if not stop_texts or not any(t in tokenizer.decode(ids, skip_special_tokens=True) for t in stop_texts):
-        return len(ids)
-    for k in range(1, len(ids) + 1):  # the first token that completes a stop text
-        if any(t in tokenizer.decode(ids[:k], skip_special_tokens=True) for t in stop_texts):
-            return k
-    return len(ids)
+    """The shortest prefix of ``ids`` whose text (special tokens kept) holds a stop text (``len(ids)`` when none
+    does); ``stops.find_stop`` also says whether one was found."""
+    return stops.find_stop(ids, stop_texts, tokenizer)[0]
+
+
+def end_token_ids(engine: RolloutEngine, tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end a turn: the engine's ``eos_token_ids`` (set by its ``setup``), else the tokenizer's EOS."""
+    return tuple(getattr(engine, "eos_token_ids", ()) or ()) or (tokenizer.eos_token_id,)
+
+
+def observation_ids(environment: Environment, text: str, tokenizer: Any) -> list[int]:
+    """``text`` tokenized on its own, at most ``max_observation_tokens`` tokens.
+
+    An environment keeps its observations within the limit itself (``Environment.fit_observation`` cuts the text
+    and keeps the frame); cutting the tokens here also cuts the frame (a closing tag, the next turn's header), so
+    it is a last resort, with a warning once per environment class."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    limit = environment.max_observation_tokens
+    if len(ids) > limit:
+        kind, name = type(environment), type(environment).__qualname__
+        if f"{kind.__module__}.{name}" not in _WARNED_OVERSIZE:
+            _WARNED_OVERSIZE.add(f"{kind.__module__}.{name}")
+            warnings.warn(
+                f"{name} returned an observation of {len(ids)} tokens (max_observation_tokens = {limit}): its tokens "
+                "are cut, its closing text with them; return Environment.fit_observation(text, render) instead",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        ids = ids[:limit]
+    return ids
 
 
 def _left_padded(rows: list[list[int]], pad_token_id: int, device: torch.device | str) -> tuple[Tensor, Tensor]:
@@ -128,8 +160,8 @@ def generate_trajectories(
     prompt_ids, prompt_mask = encoder.encode(rows["prompt"], device)
     total_limit = params.max_new_tokens
     turn_limit = min(environment.max_turn_tokens or total_limit, total_limit)
-    stops = stop_sequences(environment, tokenizer)
-    stop_texts = environment.stop_texts
+    stop_ids = stop_sequences(environment, tokenizer)
+    stop_texts, ends = environment.stop_texts, end_token_ids(engine, tokenizer)
     env_seconds = 0.0
 
     started = time.perf_counter()
@@ -141,7 +173,7 @@ def generate_trajectories(
             trajectory = _Trajectory(env=environment.spawn(), prompt=prompt)
             first = trajectory.env.reset(row)
             if first:
-                observed = tokenizer(first, add_special_tokens=False)["input_ids"][: environment.max_observation_tokens]
+                observed = observation_ids(environment, first, tokenizer)
                 trajectory.append(observed, policy=False)
                 trajectory.segments.append(tokenizer.decode(observed))
                 if len(observed) >= total_limit:  # no room for a turn
@@ -154,7 +186,7 @@ def generate_trajectories(
         if not active:
             break
         limits = [min(turn_limit, total_limit - len(t.ids)) for t in active]
-        turn_params = params.with_(max_new_tokens=max(limits), stop_sequences=stops)
+        turn_params = params.with_(max_new_tokens=max(limits), stop_sequences=stop_ids)
         if turn == 0 and not any(t.ids for t in trajectories):
             # All trajectories of a group share their context: the engine's group sampling, one prefill per prompt.
             out = engine.generate(
@@ -174,10 +206,12 @@ def generate_trajectories(
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         for i, (trajectory, limit) in enumerate(zip(active, limits)):
             ids = generated[i][: min(lengths[i], limit)]
-            ids = ids[: cut_at_stop_text(ids, stop_texts, tokenizer)]
-            ended = bool(ids) and ids[-1] == tokenizer.eos_token_id
+            ids = ids[: next((k + 1 for k, token in enumerate(ids) if token in ends), len(ids))]  # its first end
+            cut, found = stops.find_stop(ids, stop_texts, tokenizer)
+            ids = ids[:cut]
+            ended = bool(ids) and ids[-1] in ends
+            stopped = found and not ended  # cut right after its stop text
             text = tokenizer.decode(ids, skip_special_tokens=True)
-            stopped = not ended and any(s in text for s in stop_texts)  # cut right after it
             trajectory.append(ids, policy=True, logprobs=logprobs[i][: len(ids)] if logprobs else None)
             trajectory.segments.append(text)
             trajectory.final_text, trajectory.turns = text, trajectory.turns + 1
@@ -195,10 +229,7 @@ def generate_trajectories(
             if step.done or turn + 1 == environment.max_turns:  # the final answer, or out of turns
                 trajectory.active = False
                 continue
-            observed = []
-            if step.observation:
-                observed = tokenizer(step.observation, add_special_tokens=False)["input_ids"]
-                observed = observed[: environment.max_observation_tokens]
+            observed = observation_ids(environment, step.observation, tokenizer) if step.observation else []
             if len(trajectory.ids) + len(observed) >= total_limit:  # no room for the answer and a next turn
                 trajectory.active, trajectory.truncated = False, True
                 continue
