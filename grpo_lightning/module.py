@@ -28,6 +28,8 @@ from grpo_lightning.models.logprobs import DEFAULT_LOGPROB_CHUNK, completion_log
 from grpo_lightning.models.policy import attached_trainer, build_policy, context_length, sampling_context
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.rollout.batch import RolloutBatch
+from grpo_lightning.rollout.round import merge_rank_metrics
+from grpo_lightning.strategies import gather_per_rank
 from grpo_lightning.validation import check_checkpoint_fits, check_ranges
 
 # Lightning loads checkpoints with ``torch.load(weights_only=True)``: the settings objects saved with the
@@ -262,19 +264,22 @@ class GRPOModule(LightningModule):
         return loss
 
     def _log_rollout_metrics(self, rollout_metrics: dict[str, float]) -> None:
-        """The round's rollout summaries (``rollout/``, ``reward/``, ``time/``), once per round."""
-        metrics = {k: v for k, v in rollout_metrics.items() if v == v}  # NaN = no applicable value this round
+        """The round's rollout summaries (``rollout/``, ``reward/``, ``time/``), once per round, over all ranks."""
+        # Under data parallelism each rank has its own rollout: one collective brings every rank's metrics, and
+        # every rank merges them alike (NaN-aware means, maxima maximised): the same keys, order and values on
+        # all ranks, whatever keys or NaNs each rank's round had. A key logged by some ranks only would give the
+        # ranks different collectives to run (a hang, or one metric reduced with another).
+        metrics = merge_rank_metrics(gather_per_rank(attached_trainer(self), rollout_metrics))
         # One value per round, logged at the epoch level: written at every round's end, whatever
-        # trainer.log_every_n_steps is (step-level values would be dropped between its multiples).
-        # Under data parallelism each rank has its own rollout: averaged across ranks, the maxima maximised.
-        maxima = {k: v for k, v in metrics.items() if k.endswith("_max")}
-        means = {k: v for k, v in metrics.items() if k not in maxima}
-        self.log_dict(means, on_step=False, on_epoch=True, batch_size=1, sync_dist=True)
-        self.log_dict(maxima, on_step=False, on_epoch=True, batch_size=1, sync_dist=True, reduce_fx="max")
+        # trainer.log_every_n_steps is (step-level values would be dropped between its multiples). Reduced
+        # already, so Lightning must not reduce again: ``rank_zero_only`` turns its reduction off, and
+        # ``sync_dist=True`` tells it the value is synchronised (with False it warns, for each key, that an
+        # epoch-level value is not). Every rank logs: callbacks monitoring these keys see them everywhere.
+        self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1, sync_dist=True, rank_zero_only=True)
         # The progress bar's postfix only: the logs hold these under their namespaced names already.
-        bar = {"reward": rollout_metrics["rollout/reward_mean"]}
-        if "time/generated_tokens_per_s" in rollout_metrics:
-            bar["gen_tok/s"] = float(round(rollout_metrics["time/generated_tokens_per_s"]))  # a short postfix
+        bar = {"reward": metrics["rollout/reward_mean"]} if "rollout/reward_mean" in metrics else {}
+        if "time/generated_tokens_per_s" in metrics:
+            bar["gen_tok/s"] = float(round(metrics["time/generated_tokens_per_s"]))  # a short postfix
         self.log_dict(bar, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
 
     def configure_optimizers(self) -> dict[str, Any]:

@@ -80,10 +80,27 @@ class RolloutBatch:
             elif isinstance(values[0], list):
                 out[f.name] = [item for value in values for item in value]
             elif f.name in _PER_ROW_COLUMNS:
-                out[f.name] = {name: [v for b in values for v in b[name]] for name in values[0]}
+                # Draws of one round can differ in names: an environment reports a metric or reward part only
+                # when a trajectory earned it. All names of all draws, each row filled where its draw lacked it.
+                names = list(dict.fromkeys(name for value in values for name in value))
+                out[f.name] = {name: [v for b in batches for v in _column(b, f.name, name)] for name in names}
             else:
                 out[f.name] = values[0]
         return RolloutBatch(**out)
+
+    def column_names(self) -> dict[str, list[str]]:
+        """The names of each per-row dict column (``reward_columns``, ``turn_stats``), in their order."""
+        return {column: list(getattr(self, column)) for column in _PER_ROW_COLUMNS}
+
+    def align_columns(self, names: dict[str, list[str]]) -> None:
+        """Give each per-row dict column exactly ``names[column]``, in that order (a name missing here is filled
+        as ``concat`` fills it): under data parallelism every rank then has the same reward and turn columns, and
+        so summarises and logs the same metrics."""
+        for column, wanted in names.items():
+            missing = set(getattr(self, column)) - set(wanted)
+            if missing:
+                raise ValueError(f"align_columns: {column} {sorted(missing)} would be dropped")
+            setattr(self, column, {name: _column(self, column, name) for name in wanted})
 
     def tensors(self, rows: Tensor) -> dict[str, Any]:
         """The loss inputs of ``rows``, trimmed to their longest completion.
@@ -151,6 +168,15 @@ class RolloutBatch:
 
 
 _PER_ROW_COLUMNS = ("reward_columns", "turn_stats")  # dicts of one value per row
+
+
+def _column(batch: RolloutBatch, column: str, name: str) -> list[Any]:
+    """``batch.<column>[name]``; 0.0 per row where the batch has no such name. The only names that can be missing
+    are an environment's: a turn count or metric (``turn_stats``: a trajectory that made no tool call made 0) and a
+    reward part (``env_<name>`` of ``reward_columns``: a part no turn earned sums to 0, as ``multiturn`` fills it).
+    A reward function's column is in every batch: None, "not applicable", is never made up here."""
+    values = getattr(batch, column)
+    return list(values[name]) if name in values else [0.0] * len(batch)
 
 
 def _cat_padded(tensors: list[Tensor], name: str, pad_token_id: int) -> Tensor:

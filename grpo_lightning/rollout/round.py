@@ -66,6 +66,7 @@ def run_round(
     generator: torch.Generator,
     device: torch.device | str = "cpu",
     all_gather: Callable[[Tensor], Tensor] | None = None,
+    per_rank: Callable[[Any], list[Any]] | None = None,
 ) -> RolloutBatch:
     """Sample G completions for each prompt of ``next_rows()``, score them and compute what the loss needs.
 
@@ -73,7 +74,9 @@ def run_round(
     With ``dynamic_sampling`` (DAPO), groups whose rewards are all equal are dropped and more prompts are drawn,
     up to ``max_sampling_rounds`` generations, until the rollout has as many informative groups as one draw; if
     the cap is reached the rollout is topped up with uninformative groups (zero advantage), so every rank always
-    trains on the same number of rows. ``all_gather`` collects every rank's rewards for ``scale: batch``.
+    trains on the same number of rows. ``all_gather`` collects every rank's rewards for ``scale: batch``;
+    ``per_rank`` collects a small value of every rank, in rank order (``strategies.gather_per_rank``), to agree on
+    the environment's metric and reward names. Both are collectives, None in a single process.
     """
     timings: dict[str, float] = {}
     record_old = settings.optimizer_steps > 1  # after the first step, the policy is no longer the one that sampled
@@ -101,6 +104,11 @@ def run_round(
         batch, generated, rounds = refill_informative(
             batch, sample, settings.sampling.group_size, settings.max_sampling_rounds, encoder.tokenizer.pad_token_id
         )
+    if settings.environment is not None and per_rank is not None:
+        # An environment's metrics and reward parts are named by what the rank's trajectories did (a tool call):
+        # every rank takes the names of all ranks (0 where it had none), so all log the same metrics. Only an
+        # environment's names differ; without one, no collective.
+        batch.align_columns(agreed_names(batch.column_names(), per_rank))
     batch.advantages = compute_advantages(batch, settings, all_gather)  # 4. group-relative advantages
     # Multi-turn: the policy's tokens only; environment tokens stay context, out of the loss and the KL.
     batch.loss_mask = (batch.completion_mask if batch.action_mask is None else batch.action_mask).clone()
@@ -122,6 +130,30 @@ def run_round(
         batch.metrics["rollout/filtered_fraction"] = 1.0 - informative_groups(batch, group_size).float().mean().item()
         batch.metrics["rollout/generated_completions"] = float(generated)
     return batch
+
+
+def agreed_names(names: dict[str, list[str]], per_rank: Callable[[Any], list[Any]]) -> dict[str, list[str]]:
+    """Each column's names over all ranks (one collective): rank 0's in their order, then each next rank's new
+    ones; the same lists on every rank."""
+    ranks = per_rank(names)
+    return {column: list(dict.fromkeys(n for rank in ranks for n in rank[column])) for column in names}
+
+
+def merge_rank_metrics(ranks: list[dict[str, float]]) -> dict[str, float]:
+    """One set of round metrics from every rank's (in rank order; the same result on every rank).
+
+    A ``*_max`` metric is the maximum over ranks, any other the mean over ranks: every rank's rollout has the same
+    size, so a mean over completions (rewards, lengths, turn counts) is then the mean over all of them; a spread, or
+    a mean over applicable values only, is the ranks' average. NaN marks a metric with no value on a rank
+    (``reward/<name>`` when no completion had an applicable value): that rank is left out of the mean, and the
+    metric is left out when no rank has a value. Keys: every rank's, in order of first appearance.
+    """
+    merged = {}
+    for key in dict.fromkeys(k for rank in ranks for k in rank):
+        values = [rank[key] for rank in ranks if key in rank and rank[key] == rank[key]]  # NaN != NaN
+        if values:
+            merged[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
+    return merged
 
 
 def informative_groups(batch: RolloutBatch, group_size: int) -> Tensor:
