@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -46,6 +48,21 @@ def _load_sharded(path: Path, state: dict[str, torch.Tensor]) -> tuple[set[str],
     return set(present), dtypes
 
 
+def _module_of(meta: dict) -> GRPOModule:
+    """The module the checkpoint's hyperparameters describe, its policy built, weights not loaded yet.
+
+    Built as ``load_from_checkpoint`` builds it, from a file holding the checkpoint's meta data and no weights: a
+    checkpoint of the command line holds its settings as the config gave them (dicts) and the instantiator that
+    makes them objects again, which Lightning applies there.
+    """
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "meta.ckpt"
+        torch.save({**meta, "state_dict": {}}, path)
+        with warnings.catch_warnings():  # every weight is "missing" from that file: they come from the shards
+            warnings.simplefilter("ignore")
+            return GRPOModule.load_from_checkpoint(path, map_location="cpu", weights_only=False, strict=False)
+
+
 def consolidate(checkpoint: str | Path, output: str | Path, *, dtype: torch.dtype | None = None) -> Path:
     """Write the policy of ``checkpoint`` (sharded folder or single file) as a Hugging Face folder ``output``.
 
@@ -56,8 +73,7 @@ def consolidate(checkpoint: str | Path, output: str | Path, *, dtype: torch.dtyp
         return export_checkpoint(checkpoint, output, dtype=str(dtype).removeprefix("torch.") if dtype else None)
     # Unpickled in full, as Lightning resumes: the hyperparameters hold the run's config objects.
     meta = torch.load(checkpoint / "meta.pt", map_location="cpu", weights_only=False)
-    module = GRPOModule(**meta["hyper_parameters"])
-    module.configure_model()
+    module = _module_of(meta)
     # The module's own tensors, keyed as in the checkpoint; loading writes into them.
     state = {key: value for key, value in module.state_dict(keep_vars=False).items() if key.startswith(_PREFIX)}
     found, dtypes = _load_sharded(checkpoint, state)
