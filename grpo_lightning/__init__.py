@@ -1,21 +1,38 @@
-"""grpo_lightning: GRPO training of language models, native to PyTorch Lightning."""
+"""grpo_lightning: GRPO training of language models, native to PyTorch Lightning.
 
-from grpo_lightning.config import AdvantageConfig, ConfigError, EvalConfig, ObjectiveConfig, SamplingConfig
-from grpo_lightning.module import GRPOModule
-from grpo_lightning.rewards import RewardSpec
-from grpo_lightning.rollout.datamodule import RolloutDataModule
-from grpo_lightning.sft import SFTDataModule, SFTModule
+The names below are imported when first used: a process that needs only a part of the package (the background
+rollout process of ``data.rollout_lag``) does not pay for Lightning's import.
+"""
 
-__all__ = [
-    "AdvantageConfig",
-    "ConfigError",
-    "EvalConfig",
-    "GRPOModule",
-    "ObjectiveConfig",
-    "RewardSpec",
-    "RolloutDataModule",
-    "SFTDataModule",
-    "SFTModule",
-    "SamplingConfig",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "AdvantageConfig": "grpo_lightning.config",
+    "ConfigError": "grpo_lightning.config",
+    "EvalConfig": "grpo_lightning.config",
+    "ObjectiveConfig": "grpo_lightning.config",
+    "SamplingConfig": "grpo_lightning.config",
+    "GRPOModule": "grpo_lightning.module",
+    "RewardSpec": "grpo_lightning.rewards",
+    "RolloutDataModule": "grpo_lightning.rollout.datamodule",
+    "SFTDataModule": "grpo_lightning.sft",
+    "SFTModule": "grpo_lightning.sft",
+}
+
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'grpo_lightning' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

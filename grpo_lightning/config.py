@@ -94,6 +94,9 @@ class ObjectiveConfig:
     still logged)."""
     tis_level: Literal["token", "sequence"] = "token"
     """``token``: a weight per token; ``sequence``: min(∏_t π_old / π_engine, C) for every token of a completion."""
+    tis_mode: Literal["truncate", "mask"] = "truncate"
+    """``truncate``: min(w, C); ``mask``: w where 1/C <= w <= C, else the token (or completion) leaves the
+    surrogate. The same weight is the decoupled correction of ``data.rollout_lag`` (π_old = the proximal policy)."""
 
     def __post_init__(self) -> None:
         if self.tis_cap is not None and self.tis_cap <= 0:
@@ -104,6 +107,10 @@ class ObjectiveConfig:
             raise ConfigError(f"model.objective.epsilon_low must be in [0, 1) (got {self.epsilon_low})")
         if self.epsilon_high is not None and self.epsilon_high < 0:
             raise ConfigError(f"model.objective.epsilon_high must be >= 0 (got {self.epsilon_high})")
+        if self.tis_mode not in ("truncate", "mask"):
+            raise ConfigError(f"model.objective.tis_mode must be truncate or mask (got {self.tis_mode!r})")
+        if self.tis_mode == "mask" and self.tis_cap is not None and self.tis_cap <= 1:
+            raise ConfigError(f"model.objective.tis_cap must be > 1 with tis_mode: mask (got {self.tis_cap})")
         if self.delta is not None and self.delta <= 1:
             raise ConfigError(f"model.objective.delta must be > 1 (got {self.delta}); it caps the ratio from above")
 

@@ -39,6 +39,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from grpo_lightning.importance import truncated_importance_weights
+
 __all__ = ["group_advantages", "process_advantages", "grpo_loss", "truncated_importance_weights"]
 
 _SCALES = ("group", "batch", "none")
@@ -205,48 +207,6 @@ def _aggregate(
     return total / mask.sum().clamp(min=1)  # bnpo
 
 
-def truncated_importance_weights(
-    old_logprobs: Tensor, engine_logprobs: Tensor, mask: Tensor, *, cap: float | None = 2.0, level: str = "token"
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Truncated importance-sampling weights ``[B, T]`` (no gradient) and mismatch metrics.
-
-    Args:
-        old_logprobs: ``[B, T]`` the trainer's log-probs of the sampling policy π_old.
-        engine_logprobs: ``[B, T]`` the engine's own log-probs of the same tokens (what it sampled from).
-        mask: ``[B, T]`` tokens that count.
-        cap: C, the truncation; ``None`` keeps the weights at 1 (the metrics are still computed).
-        level: ``"token"`` (one weight per token) or ``"sequence"`` (the product of a completion's token ratios).
-
-    Returns:
-        ``(weights, metrics)``; metrics (token means over ``mask``): ``mismatch_abs_logprob`` (mean
-        |log π_old − log π_engine|), ``mismatch_kl`` (KL(π_engine ‖ π_old), k3 estimator on the engine's samples),
-        ``tis_truncated_frac`` (share of tokens, or of completions at sequence level, whose ratio exceeds C) and
-        ``tis_weight_mean``.
-    """
-    _check_choice("tis level", level, _IS_LEVELS)
-    mask = mask.bool()
-    zero = torch.zeros_like(old_logprobs)
-    log_ratio = torch.where(mask, old_logprobs - engine_logprobs, zero).detach()
-    if level == "sequence":
-        row = log_ratio.sum(dim=1, keepdim=True).expand_as(log_ratio)
-        ratio = torch.exp(row)
-        counted = mask.any(dim=1)
-        truncated = (ratio[:, 0] > cap).to(ratio.dtype) if cap is not None else torch.zeros_like(ratio[:, 0])
-        truncated_frac = truncated[counted].mean() if counted.any() else ratio.new_zeros(())
-    else:
-        ratio = torch.exp(log_ratio)
-        truncated_frac = _masked_mean((ratio > cap).to(ratio.dtype), mask) if cap is not None else ratio.new_zeros(())
-    weights = torch.clamp(ratio, max=cap) if cap is not None else torch.ones_like(ratio)
-    weights = torch.where(mask, weights, zero)
-    metrics = {
-        "mismatch_abs_logprob": _masked_mean(log_ratio.abs(), mask),
-        "mismatch_kl": _masked_mean(torch.exp(log_ratio) - log_ratio - 1, mask),
-        "tis_truncated_frac": truncated_frac,
-        "tis_weight_mean": _masked_mean(weights, mask),
-    }
-    return weights, metrics
-
-
 def grpo_loss(
     logprobs: Tensor,
     old_logprobs: Tensor | None,
@@ -268,6 +228,7 @@ def grpo_loss(
     engine_logprobs: Tensor | None = None,
     tis_cap: float | None = 2.0,
     tis_level: str = "token",
+    tis_mode: str = "truncate",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped GRPO surrogate loss (to minimise) and detached metrics.
 
@@ -291,7 +252,9 @@ def grpo_loss(
         entropy_coef: entropy bonus coefficient.
         engine_logprobs: ``[B, T]`` the sampling engine's own log-probs, when it is not the trainer (vLLM): the
             surrogate is then weighted by ``truncated_importance_weights`` (π_old = ``old_logprobs``, or the
-            detached current log-probs when ``None``), capped at ``tis_cap``, at ``tis_level``.
+            detached current log-probs when ``None``), capped at ``tis_cap`` (or masked outside [1/C, C] with
+            ``tis_mode="mask"``), at ``tis_level``. At a rollout lag this is the decoupled objective: π_old is
+            the proximal policy (the update's start), the engine's log-probs the stale sampler μ.
 
     Returns:
         ``(loss, metrics)``; metrics are detached scalars: ``pg_loss`` (surrogate only, same aggregation),
@@ -344,7 +307,7 @@ def grpo_loss(
     tis_metrics: dict[str, Tensor] = {}
     if engine_logprobs is not None:
         weights, tis_metrics = truncated_importance_weights(
-            old_logprobs, engine_logprobs, mask, cap=tis_cap, level=tis_level
+            old_logprobs, engine_logprobs, mask, cap=tis_cap, level=tis_level, mode=tis_mode
         )
         pg_per_token = pg_per_token * weights
     per_token = pg_per_token

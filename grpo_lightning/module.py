@@ -44,6 +44,7 @@ _LOSS_OPTIONS = (
     "importance_sampling_level",
     "tis_cap",
     "tis_level",
+    "tis_mode",
 )
 
 

@@ -97,6 +97,9 @@ SETTING_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data.micro_batch_size": (_at_least(1, null=True), ">= 1, or null for the whole mini-batch"),
     "data.val_batch_size": (_at_least(1), ">= 1"),
     "data.val_limit": (_at_least(0, null=True), ">= 0, or null for all held-out prompts"),
+    "data.rollout_lag": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
+    "data.rollout_threads": (_at_least(1, null=True), ">= 1, or null for half of this process's threads"),
+    "data.rollout_timeout_s": (_above(0), "> 0"),
     "trainer.accumulate_grad_batches": (_at_least(1), ">= 1"),
     "trainer.gradient_clip_val": (_at_least(0, null=True), ">= 0, or null for no clipping"),
     "trainer.check_val_every_n_epoch": (_at_least(1, null=True), ">= 1, or null"),
@@ -135,6 +138,35 @@ def check_batch_sizes(rollout: int, mini: int, micro: int, accumulate: int) -> N
         raise ConfigError(
             f"data.mini_batch_size / data.micro_batch_size = {mini // micro} but "
             f"trainer.accumulate_grad_batches = {accumulate}: set them to agree"
+        )
+
+
+def check_round_settings(
+    *,
+    engine: Any,
+    old_logprobs: str,
+    rollout_lag: int,
+    correction: str,
+    curriculum: bool,
+) -> None:
+    """What a round cannot do, refused in one line before training: π_old from log-probs that are not the
+    policy's, and the combinations a rollout lag cannot take."""
+    if correction not in ("decoupled", "behaviour", "none"):
+        raise ConfigError(f"data.off_policy_correction must be decoupled, behaviour or none (got {correction!r})")
+    if old_logprobs == "sampler" and rollout_lag > 0:
+        raise ConfigError(
+            "data.old_logprobs: sampler takes π_old from the engine, which at data.rollout_lag > 0 sampled an older "
+            "policy; set data.off_policy_correction: behaviour for a ratio to the sampler, or old_logprobs: auto"
+        )
+    if curriculum and rollout_lag > 0:
+        raise ConfigError(
+            "data.curriculum picks each round's prompts from the latest pass rates, which a background process "
+            "sampling rounds ahead (data.rollout_lag > 0) does not have yet; use one or the other"
+        )
+    if old_logprobs == "sampler" and not engine.shares_weights:
+        raise ConfigError(
+            f"data.old_logprobs: sampler takes π_old from the {engine.name} engine, whose log-probs are not the "
+            "trainer's; use auto or recompute (the ratio needs the trainer's π_old)"
         )
 
 

@@ -64,6 +64,8 @@ def check_logprobs_equal_the_trainers(engine: RolloutEngine, model: torch.nn.Mod
     mask = out.completion_mask.bool()
     torch.testing.assert_close(out.logprobs[mask], expected[mask], atol=atol, rtol=atol)
     assert (out.logprobs[~mask] == 0).all()
+    if out.policy_logprobs is not None:  # unfiltered: the same values
+        torch.testing.assert_close(out.policy_logprobs, out.logprobs)
 
 
 def sampling_logprobs(model: torch.nn.Module, out, params: SamplingParams, end_ids: tuple[int, ...]) -> torch.Tensor:
@@ -102,6 +104,10 @@ def check_filtered_logprobs_are_the_sampling_distributions(
             model, out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask, temperature=0.7
         )
     assert (out.logprobs[mask] > trainer[mask] + 1e-3).any()  # renormalised: above the trainer's where filtered
+    if engine.shares_weights:  # the tempered policy's, beside them: π_old on the trainer's own weights
+        assert out.policy_logprobs is not None
+        torch.testing.assert_close(out.policy_logprobs[mask], trainer[mask], atol=atol, rtol=atol)
+        assert (out.policy_logprobs[~mask] == 0).all()
 
 
 def check_mask_truncation_and_padding_rules(engine: RolloutEngine, tokenizer) -> None:

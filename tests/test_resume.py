@@ -56,9 +56,9 @@ class Recorder(Callback):
         self.betas.append(module.beta)
 
 
-def fit(dirpath, epochs, *, ckpt_path=None, every_n_rounds=1, tiny=TINY, engine="auto"):
+def fit(dirpath, epochs, *, ckpt_path=None, every_n_rounds=1, tiny=TINY, engine="auto", rollout_lag=0, extra=()):
     """One in-process ``fit`` of the recipe; returns the module, datamodule and recorder (``test_vllm_runs.py``
-    runs it with the vllm engine)."""
+    runs it with the vllm engine, ``test_async_rollouts.py`` at a rollout lag)."""
     seed_everything(0)
     FAIL["calls"] = 0
     module = GRPOModule(tiny_model=tiny, objective=ObjectiveConfig(beta=0.05), lr=1e-3, warmup_steps=3)
@@ -66,6 +66,7 @@ def fit(dirpath, epochs, *, ckpt_path=None, every_n_rounds=1, tiny=TINY, engine=
         rewards=[RewardSpec("resume_noisy_length")],
         sampling=SamplingConfig(group_size=GROUP, max_new_tokens=4),
         engine=engine,
+        rollout_lag=rollout_lag,
         prompts_per_round=PROMPTS,
         mini_batch_size=4,
         val_limit=4,
@@ -74,6 +75,7 @@ def fit(dirpath, epochs, *, ckpt_path=None, every_n_rounds=1, tiny=TINY, engine=
     recorder = Recorder()
     callbacks = [recorder, KLController(target_kl=0.001, horizon=100), ReferenceSync(sync_steps=3, alpha=0.5)]
     callbacks.append(OldPolicySync())  # the CLI adds it; an engine with its own weights needs it
+    callbacks.extend(extra)
     trainer = Trainer(
         **TRAINER_DEFAULTS,
         max_epochs=epochs,

@@ -14,7 +14,7 @@ from lightning import Callback
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.config import AdvantageConfig, ConfigError
 from grpo_lightning.rewards import RewardSpec, register
-from grpo_lightning.rollout import datamodule as datamodule_module
+from grpo_lightning.rollout import checkpoint_state
 from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.rollout.round import compute_advantages, run_round
 
@@ -345,7 +345,7 @@ class TwoRanks:
         return gathered
 
     def state_dicts(self, monkeypatch):
-        monkeypatch.setattr(datamodule_module, "gather_per_rank", self.gather_per_rank)
+        monkeypatch.setattr(checkpoint_state, "gather_per_rank", self.gather_per_rank)
         states = [None, None]
 
         def save(rank):

@@ -136,24 +136,31 @@ def free_port() -> int:
 
 
 # ---------------------------------------------------------------------------------------------- the tests
+@pytest.mark.parametrize("lag", [0, 1], ids=lambda lag: f"lag{lag}")
 @pytest.mark.parametrize("preset", PRESETS)
-def test_preset_with_quickstart_on_two_processes(preset: str, tmp_path: Path) -> None:
+def test_preset_with_quickstart_on_two_processes(preset: str, lag: int, tmp_path: Path) -> None:
     """The issue's command: ``--config configs/quickstart.yaml --config configs/strategies/<preset>.yaml`` with 2
     processes (Lightning starts the second) runs its steps, saves its checkpoint and config, and ends with the same
-    weights on both ranks."""
-    devices = ["--trainer.accelerator", "cpu", "--trainer.devices", "2"]
+    weights on both ranks; also at ``data.rollout_lag: 1`` (a background process per rank samples ahead)."""
+    devices = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--data.rollout_lag", str(lag)]
     if preset == "deepspeed":
         pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install deepspeed)")
         if torch.cuda.device_count() < 2:
             pytest.skip("the DeepSpeed preset needs 2 CUDA devices")
-        devices = ["--trainer.accelerator", "gpu", "--trainer.devices", "2"]
+        devices = ["--trainer.accelerator", "gpu", "--trainer.devices", "2", "--data.rollout_lag", str(lag)]
     out = tmp_path / "weights"
     finish([start(fit_command(preset, out, *devices), tmp_path, run_environment(tmp_path))])
     ranks = load_ranks(out, 2)
     assert [rank["global_step"] for rank in ranks] == [STEPS, STEPS]
     assert all(torch.isfinite(value).all() for value in ranks[0]["weights"].values())
     assert_same_weights(ranks)
-    assert len(list(tmp_path.glob("runs/**/last.ckpt"))) == 1  # a file (DDP) or a sharded folder (FSDP2)
+    checkpoints = list(tmp_path.glob("runs/**/last.ckpt"))
+    assert len(checkpoints) == 1  # a file (DDP) or a sharded folder (FSDP2)
+    if preset == "fsdp":  # the command line's sharded checkpoint (its hyperparameters hold `_instantiator`)
+        sys.path.insert(0, str(ROOT / "tools"))
+        from consolidate_fsdp import consolidate
+
+        assert (consolidate(checkpoints[0], tmp_path / "hf") / "config.json").is_file()
     # The W&B run (offline) holds the resolved config: written on rank 0, where the hang used to start.
     saved = list(tmp_path.glob("runs/**/wandb/offline-run-*/files/config.yaml"))
     assert len(saved) == 1 and "strategy" in yaml.safe_load(saved[0].read_text())["trainer"]

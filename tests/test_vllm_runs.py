@@ -48,6 +48,19 @@ def test_three_rounds_then_three_more_equal_six_rounds_with_vllm(tmp_path):
     assert_same_run((ref_module, ref), module, [first, second])
 
 
+def test_three_plus_three_rounds_equal_six_with_vllm_at_lag_1(tmp_path):
+    """At ``data.rollout_lag: 1`` vLLM runs in the background process (its own copy, pushed at each round
+    boundary): the rollouts it samples ahead are checkpointed and the resumed run trains on the same tensors."""
+    from test_async_rollouts import assert_same_tensors
+    from test_resume import fit
+    from test_vllm import VLLM_TINY
+
+    reference = fit(tmp_path / "reference", 6, tiny=VLLM_TINY, engine=vllm_engine(), rollout_lag=1)
+    _, _, first = fit(tmp_path / "run", 3, tiny=VLLM_TINY, engine=vllm_engine(), rollout_lag=1)
+    module, _, second = fit(tmp_path / "run", 6, ckpt_path="last", tiny=VLLM_TINY, engine=vllm_engine(), rollout_lag=1)
+    assert_same_tensors(reference, (module, [first, second]))
+
+
 # --------------------------------------------------------------------------------------------- 2 processes
 def worker(out: Path, model_dir: str) -> None:
     """Two rounds of 2 optimizer steps each under DDP on 2 ranks, an engine each; rank 0 writes ``results.json``."""

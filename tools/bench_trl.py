@@ -147,11 +147,9 @@ def peak_gpu_mb() -> float:
     return torch.cuda.max_memory_allocated() / 2**20
 
 
-def make_ours(settings: Settings, folder: Path, callbacks: list[Any]) -> tuple[Any, Any, Any]:
+def make_ours(settings: Settings, folder: Path, callbacks: list[Any], **data_options: Any) -> tuple[Any, Any, Any]:
     """Our public API, as a user would set up a benchmark: no logger, checkpoints, progress bar or validation.
-
-    Returns ``(GRPOModule, RolloutDataModule, Trainer)`` ready for ``trainer.fit(module, datamodule=data)``.
-    """
+    Returns ``(GRPOModule, RolloutDataModule, Trainer)``; ``data_options``: more of ``RolloutDataModule``'s."""
     import lightning as L
 
     from grpo_lightning import GRPOModule, ObjectiveConfig, RewardSpec, RolloutDataModule, SamplingConfig
@@ -179,6 +177,7 @@ def make_ours(settings: Settings, folder: Path, callbacks: list[Any]) -> tuple[A
         mini_batch_size=rollout,
         num_iterations=settings.mu,
         seed=SEED,
+        **data_options,
     )
     trainer = L.Trainer(
         accelerator="gpu" if DEVICE == "cuda" else "cpu",

@@ -10,17 +10,19 @@
 #      prompts per round, generation batch), completions forced to exactly max_new_tokens, on a random-weight
 #      model of Qwen2.5-0.5B's architecture in bf16 (PROMPT_LEN random prompt tokens, default 192). One warm-up
 #      call per engine, then one timed call; the ratio vllm / lean. Without vllm: "vllm": "not installed".
+#   C. async (issue 25): tools/bench_async.py on this device, one run of each row (lag 0; lag 1 with the background
+#      process on the same GPU): seconds per round, time/generate, time/update, time/wait and overlap=R.
 #
 # Writes $OUT/gpu_check.json ({"training": A, "engines": B, versions}; a part that failed holds "error" instead of
 # or beside its figures), $OUT/part_<name>.json (each part's own, rewritten as it goes), $OUT/gpu_check.log and
 # $OUT/gpu.txt (nvidia-smi). Exits 1 when a part failed. Peak memory is torch's allocated peak, in GiB.
 # Budget on an H200 (estimated, not yet measured): about 1 min for A, 2–3 min for B (vLLM's start, compile and
-# CUDA graphs about 1 min); each part is cut off at A_TIMEOUT (150 s) / B_TIMEOUT (270 s), so the whole stays
-# under 8 minutes whatever happens.
+# CUDA graphs about 1 min), 2–3 min for C; each part is cut off at A_TIMEOUT (150 s) / B_TIMEOUT (270 s) /
+# C_TIMEOUT (240 s), so the whole stays under 12 minutes whatever happens.
 #
 #   OUT=/tmp/gpu_check bash tools/gpu_check.sh            # from the repository root, on a machine with a CUDA GPU
 #   PRECISION=bf16-true ROUNDS=5 bash tools/gpu_check.sh   # other settings through the environment
-#   PARTS=engines bash tools/gpu_check.sh                  # one part only (training, engines)
+#   PARTS=engines bash tools/gpu_check.sh                  # one part only (training, engines, async)
 #   SMOKE=1 bash tools/gpu_check.sh                        # tiny sizes on CPU, same code paths (no GPU numbers);
 #                                                          # vLLM's side too where vllm(-cpu) is importable
 set -euo pipefail
@@ -28,7 +30,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_check_out}"
 mkdir -p "$OUT"
 export OUT PRECISION="${PRECISION:-bf16-mixed}" ROUNDS="${ROUNDS:-3}" SMOKE="${SMOKE:-0}" PROMPT_LEN="${PROMPT_LEN:-192}"
-PARTS="${PARTS:-training engines}"
+PARTS="${PARTS:-training engines async}"
 # The GPU machine has no network: fail fast instead of waiting on the Hub, W&B or vLLM's usage report.
 export WANDB_MODE=offline TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 # This working tree's grpo_lightning, installed or not (the program below runs from a temporary file).
@@ -332,6 +334,21 @@ def compare(result, folder, tokenizer, arch, dtype, prompts, prompt_len, params)
         result["error"] = f"vllm: {error_text(err)}"
 
 
+# ------------------------------------------------------------------------------------------- C. async
+def asynchronous(result: dict) -> None:
+    import subprocess
+
+    args = ["--runs", "1", "--rounds", "1", "3", "--device", "cuda" if cuda else "cpu"]
+    if smoke:  # bench_trl's small settings A, one measured round
+        args = ["--settings", "A", "--runs", "1", "--rounds", "1", "1", "--device", "cpu"]
+    done = subprocess.run([sys.executable, "tools/bench_async.py", *args], capture_output=True, text=True)
+    result["output"] = done.stdout[-4000:]
+    if done.returncode != 0:
+        raise RuntimeError(f"bench_async exited {done.returncode}: {done.stderr[-2000:]}")
+    last = done.stdout.strip().splitlines()[-1]  # overlap=R lag1_vs_lag0_wall=W
+    result.update({key: float(value) for key, value in (item.split("=") for item in last.split())})
+
+
 # ------------------------------------------------------------------------------------------------ merge
 def merge(status: dict) -> int:
     """gpu_check.json from the parts' files; a part that died without writing its error gets its exit status."""
@@ -366,7 +383,7 @@ def main() -> int:
     result: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu"}
     start = time.perf_counter()
     try:
-        {"training": training, "engines": engines}[part](result)
+        {"training": training, "engines": engines, "async": asynchronous}[part](result)
     except Exception as err:
         traceback.print_exc()
         result["error"] = error_text(err)
@@ -384,7 +401,8 @@ for part in $PARTS; do
     case "$part" in
         training) limit="${A_TIMEOUT:-150}" ;;
         engines) limit="${B_TIMEOUT:-270}" ;;
-        *) echo "unknown part $part (training, engines)" >&2; exit 2 ;;
+        async) limit="${C_TIMEOUT:-240}" ;;
+        *) echo "unknown part $part (training, engines, async)" >&2; exit 2 ;;
     esac
     echo "== $part (at most ${limit}s)" | tee -a "$LOG"
     rc=0

@@ -47,11 +47,20 @@ class OldPolicySync(Callback):
         self.sync(trainer, pl_module)  # after a resume, the checkpoint's weights
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Round start: the rollout runs right after this hook (when the round's first batch is fetched)."""
-        pushed = self.sync(trainer, pl_module)
+        """Round start: the rollout runs right after this hook (when the round's first batch is fetched). At a
+        rollout lag the background process samples the rounds and gets its weights from the schedule: this
+        process's engine only evaluates, and is given the weights then."""
+        pushed = False if getattr(trainer.datamodule, "background", None) is not None else self.sync(trainer, pl_module)
         self._round_start_step = trainer.global_step
         if pushed and self.last_sync_s is not None:
             pl_module.log("time/weight_sync", self.last_sync_s, on_step=False, on_epoch=True, batch_size=1)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """A run that fails stops its background rollout process (Lightning runs no teardown hook after an
+        error; the process would otherwise wait, idle, until this one ends)."""
+        background = getattr(trainer.datamodule, "background", None)
+        if background is not None:
+            background.close()
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.sync(trainer, pl_module)

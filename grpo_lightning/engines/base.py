@@ -23,10 +23,11 @@ What every engine samples, and what its log-probs mean (the same for all; ``test
 - **``Completions.logprobs`` are the drawn tokens' log-probs under that same distribution** (the behaviour policy
   μ; for ``greedy``, the model's own at temperature 1). vLLM can return no other (its ``processed_logprobs``), and
   it is the distribution the tokens really came from. Without filtering (``SamplingParams.filtered`` false) μ is
-  the tempered policy, so an engine running the trainer's weights in float32 gives exactly the trainer's π_old
-  (``data.old_logprobs: auto`` takes them, saving a forward pass). With top-k, top-p or a minimum length, μ
-  renormalises over the kept tokens and differs from π_old: ``auto`` then recomputes π_old, and ``sampler`` is
-  refused. For an engine with its own copy (vLLM), the truncated importance-sampling weight π_old / μ
+  the tempered policy; with top-k, top-p or a minimum length μ renormalises over the kept tokens. Engines that
+  have the full logits at hand (lean, transformers) also return ``Completions.policy_logprobs``, the tempered,
+  unfiltered log-probs the trainer's forward computes: on the trainer's float32 weights they are π_old exactly
+  (``data.old_logprobs: auto`` takes them, saving a forward pass). For an engine with its own copy (vLLM), which
+  gives μ only, π_old is recomputed and the truncated importance-sampling weight π_old / μ
   (``loss.truncated_importance_weights``) then corrects for both the engine's rounding and the filter: with
   top-p < 1 a kept token has μ ≥ π_old, so token weights are ≤ 1 and a sequence-level weight, their product,
   decays with the completion's length.
@@ -57,6 +58,10 @@ class Completions:
     # [N, T] log-probs of the drawn tokens under the distribution each was drawn from (the module docstring), 0 on
     # padding; only when asked for (``return_logprobs``).
     logprobs: Tensor | None = None
+    # [N, T] the same tokens' log-probs under the tempered policy, unfiltered (what the trainer's forward computes):
+    # from engines that have the full logits at hand (lean, transformers), with ``return_logprobs``; equal to
+    # ``logprobs`` when the sampling is not filtered. None from an engine that cannot give them (vLLM).
+    policy_logprobs: Tensor | None = None
 
     def __len__(self) -> int:
         return self.completion_ids.size(0)
@@ -212,6 +217,11 @@ def concat_completions(chunks: list[Completions], pad_token_id: int) -> Completi
             if all(c.logprobs is not None for c in chunks)
             else None
         ),
+        policy_logprobs=(
+            torch.cat([pad(c.policy_logprobs, completion_len, 0, False) for c in chunks])
+            if all(c.policy_logprobs is not None for c in chunks)
+            else None
+        ),
     )
 
 
@@ -252,6 +262,7 @@ def completions_from_tokens(
     stop_sequences: tuple[tuple[int, ...], ...] = (),
     lengths: Tensor | None = None,
     min_new_tokens: int = 0,
+    policy_logprobs: Tensor | None = None,
 ) -> Completions:
     """``Completions`` from raw generated tokens ``[N, T]`` (anything after the first end is ignored).
 
@@ -279,6 +290,8 @@ def completions_from_tokens(
     completion_ids = tokens[:, :keep].masked_fill(mask == 0, pad_token_id)
     if logprobs is not None:
         logprobs = logprobs[:, :keep].masked_fill(mask == 0, 0.0)
+    if policy_logprobs is not None:
+        policy_logprobs = policy_logprobs[:, :keep].masked_fill(mask == 0, 0.0)
     return Completions(
         prompt_ids=prompt_ids.repeat_interleave(group_size, dim=0),
         prompt_mask=prompt_mask.repeat_interleave(group_size, dim=0),
@@ -286,4 +299,5 @@ def completions_from_tokens(
         completion_mask=mask,
         truncated=~ended,
         logprobs=logprobs,
+        policy_logprobs=policy_logprobs,
     )

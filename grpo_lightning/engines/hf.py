@@ -86,6 +86,7 @@ class TransformersEngine(RolloutEngine):
             eos_token_id=list(self.eos_token_ids or [self.eos_token_id]),
             pad_token_id=self.pad_token_id,
             output_scores=True,
+            output_logits=True,
             return_dict_in_generate=True,
             **sampling,
         )
@@ -117,12 +118,16 @@ class TransformersEngine(RolloutEngine):
                     input_ids=ids, attention_mask=mask, generation_config=config, stopping_criteria=stopping
                 )
             tokens = out.sequences[:, ids.size(1) :]
-            logprobs = None
+            logprobs = policy_logprobs = None
             if return_logprobs:
                 # ``scores`` are each step's logits after the processors that sampled it (the EOS ban, temperature,
-                # top-k, top-p; none when greedy): the distribution the token was drawn from.
+                # top-k, top-p; none when greedy): the distribution the token was drawn from. ``logits`` are the
+                # raw ones: tempered, the policy's (what the trainer's forward computes).
                 scores = torch.stack(out.scores, dim=1).float()
                 logprobs = scores.log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
+                raw = torch.stack(out.logits, dim=1).float()
+                raw = raw / params.temperature if params.temperature != 1.0 and not params.greedy else raw
+                policy_logprobs = raw.log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
             chunks.append(
                 completions_from_tokens(
                     ids,
@@ -135,6 +140,7 @@ class TransformersEngine(RolloutEngine):
                     logprobs=logprobs,
                     stop_sequences=params.stop_sequences,
                     min_new_tokens=min_new,
+                    policy_logprobs=policy_logprobs,
                 )
             )
         return concat_completions(chunks, self.pad_token_id)

@@ -131,7 +131,8 @@ def sample_completions(
 
     With ``return_logprobs``, ``Completions.logprobs`` holds each drawn token's log-probability under the
     distribution it was drawn from (``engines/base.py``: tempered, EOS banned before ``min_new_tokens``, top-k and
-    top-p applied, renormalised; the model's own at temperature 1 when ``greedy``). With ``lean`` (and a model it
+    top-p applied, renormalised; the model's own at temperature 1 when ``greedy``), and ``policy_logprobs`` those
+    of the tempered policy, unfiltered (the trainer's π_old on the same weights). With ``lean`` (and a model it
     supports, see ``grpo_lightning.models.lean``), the steps run on the lean forward. A sequence ends at any of
     ``eos_token_id`` (one id or several) or after any of ``stop_sequences`` (token ids, kept in the completion),
     neither before ``min_new_tokens`` tokens.
@@ -146,9 +147,14 @@ def sample_completions(
     finished = torch.zeros(n, dtype=torch.bool, device=device)
     lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=device)
     logprobs = torch.zeros(n, max_new_tokens, device=device) if return_logprobs else None
+    filtered = not greedy and (top_k > 0 or top_p < 1.0 or min_new_tokens > 0)
+    policy_logprobs = torch.zeros(n, max_new_tokens, device=device) if return_logprobs and filtered else None
     ends = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
     stops = [torch.tensor(s, device=device) for s in stop_sequences if s]
     for step in range(max_new_tokens):
+        if policy_logprobs is not None:  # the tempered policy's, before the EOS ban and the filters
+            tempered = logits.float() / temperature if temperature != 1.0 else logits.float()
+            policy_all = tempered.log_softmax(-1)
         if step < min_new_tokens:
             logits[:, ends] = float("-inf")
         if greedy:
@@ -162,6 +168,8 @@ def sample_completions(
         if logprobs is not None:  # of the distribution the token was drawn from
             drawn = scores.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
             logprobs[:, step] = drawn.masked_fill(finished, 0.0)
+        if policy_logprobs is not None:
+            policy_logprobs[:, step] = policy_all.gather(-1, token[:, None]).squeeze(-1).masked_fill(finished, 0.0)
         if step >= min_new_tokens:  # earlier steps cannot draw EOS: no bookkeeping, no host sync
             just_ended = ~finished & torch.isin(token, ends)
             for stop in stops:  # a tool call's close tag: the turn ends, the tag kept
@@ -185,6 +193,10 @@ def sample_completions(
         completion_mask=completion_mask,
         truncated=~finished,
         logprobs=logprobs[:, :completion_len] if logprobs is not None else None,
+        # unfiltered: the same tensor (the sampling distribution is the tempered policy)
+        policy_logprobs=(policy_logprobs if policy_logprobs is not None else logprobs)[:, :completion_len]
+        if logprobs is not None
+        else None,
     )
 
 

@@ -32,6 +32,9 @@ class RolloutBatch:
     # [N, T] the engine's own log-probs of the sampled tokens: π_old when they are the trainer's; kept for the
     # importance correction when the engine is not the trainer (vLLM); else None.
     engine_logprobs: Tensor | None = None
+    # [N, T] the sampler's log-probs of the same tokens under the tempered policy, unfiltered (lean, transformers:
+    # ``Completions.policy_logprobs``): π_old without a pass when the sampler is the trainer; None otherwise.
+    policy_logprobs: Tensor | None = None
     prompts: list[str] = field(default_factory=list)  # [N] texts, for logging and reward functions
     completions: list[str] = field(default_factory=list)
     reward_columns: dict[str, list[float | None]] = field(default_factory=dict)
@@ -87,6 +90,11 @@ class RolloutBatch:
             else:
                 out[f.name] = values[0]
         return RolloutBatch(**out)
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        """A copy with every tensor on ``device`` (a background process sends its rollouts on the CPU)."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return RolloutBatch(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in moved.items()})
 
     def column_names(self) -> dict[str, list[str]]:
         """The names of each per-row dict column (``reward_columns``, ``turn_stats``), in their order."""
@@ -187,3 +195,21 @@ def _cat_padded(tensors: list[Tensor], name: str, pad_token_id: int) -> Tensor:
     value = {"prompt_ids": pad_token_id, "completion_ids": pad_token_id, "step_rewards": float("nan")}.get(name, 0)
     padded = [F.pad(t, (width - t.size(1), 0) if left else (0, width - t.size(1)), value=value) for t in tensors]
     return torch.cat(padded)
+
+
+class LazyRound(torch.utils.data.Dataset):
+    """The micro-batches of one round, generated when the first one is fetched (see ``rollout/datamodule.py``)."""
+
+    def __init__(self, collect: Callable[[], list[dict[str, Any]]], length: int) -> None:
+        self.collect, self.length = collect, length
+        self.batches: list[dict[str, Any]] | None = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if self.batches is None:
+            self.batches = self.collect()
+            if len(self.batches) != self.length:  # the settings fix the count; a mismatch is a bug
+                raise RuntimeError(f"the round made {len(self.batches)} micro-batches, {self.length} were planned")
+        return self.batches[index]

@@ -15,10 +15,8 @@ passes of π_old and π_ref).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -32,15 +30,17 @@ from grpo_lightning.environments.base import Environment, check_environment
 from grpo_lightning.evaluation import held_out_loader
 from grpo_lightning.rewards import RewardSpec
 from grpo_lightning.rewards.scorer import Scorer
-from grpo_lightning.rollout.batch import RolloutBatch
+from grpo_lightning.rollout.batch import LazyRound, RolloutBatch
+from grpo_lightning.rollout.checkpoint_state import datamodule_state, restore_datamodule
 from grpo_lightning.rollout.curriculum import CurriculumConfig, CurriculumSampler
 from grpo_lightning.rollout.multiturn import setup_environment
 from grpo_lightning.rollout.policy import EngineHandle, PolicySide
 from grpo_lightning.rollout.prompts import PromptEncoder, load_prompts, rename_prompt_column
-from grpo_lightning.rollout.round import RoundSettings, run_round
+from grpo_lightning.rollout.round import RoundSettings, finish_round, run_round
+from grpo_lightning.rollout.schedule import BackgroundRollouts
 from grpo_lightning.rollout.stream import PromptStream
 from grpo_lightning.strategies import gather_per_rank
-from grpo_lightning.validation import check_batch_sizes, check_prompts, check_ranges
+from grpo_lightning.validation import check_batch_sizes, check_prompts, check_ranges, check_round_settings
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,10 @@ class RolloutDataModule(LightningDataModule):
         dynamic_sampling: bool = False,
         max_sampling_rounds: int = 4,
         curriculum: CurriculumConfig | None = None,
+        rollout_lag: int = 0,
+        off_policy_correction: Literal["decoupled", "behaviour", "none"] = "decoupled",
+        rollout_threads: int | None = None,
+        rollout_timeout_s: float = 1800.0,
         eval: EvalConfig | None = None,
         val_batch_size: int = 128,
         val_limit: int | None = None,
@@ -109,14 +113,24 @@ class RolloutDataModule(LightningDataModule):
             num_iterations: μ, optimisation passes over each rollout (DeepSeekMath Alg. 1).
             old_logprobs: where π_old's log-probs come from when a round has several optimizer steps:
                 ``sampler`` (the engine's, no extra pass), ``recompute`` (a forward pass over the rollout), ``auto``
-                (the engine's where they equal the trainer's: the policy's own weights in float32, sampled without
-                top-k, top-p or a minimum length, whose filtered distribution is not the policy's).
+                (the engine's where they equal the trainer's: the policy's own weights in float32; an engine
+                that gives only its filtered sampling distribution's log-probs, under top-k, top-p or a minimum
+                length, is recomputed).
             mask_truncated_completions: leave completions cut by ``max_new_tokens`` out of the loss (DAPO).
             dynamic_sampling: DAPO dynamic sampling: drop groups whose (outcome) rewards are all equal and draw
                 more prompts until the rollout is full of informative groups.
             max_sampling_rounds: cap on generations per round with dynamic sampling (then the rollout is topped
                 up with uninformative groups, so its size never changes).
             curriculum: draw prompts by their recent pass rate instead of in shuffled order.
+            rollout_lag: L, asynchronous rollouts (``rollout/schedule.py``): round k trains on a rollout sampled by
+                the policy as it was L rounds earlier, while a background process samples the next rounds; 0 =
+                sample, then update, in this process.
+            off_policy_correction: at a lag, the loss's ratio for the stale sampler μ: ``decoupled`` (to the policy
+                at the update's start, times π_prox / μ truncated or masked as ``model.objective.tis_*`` say),
+                ``behaviour`` (to μ directly) or ``none`` (to the update's start, no weight).
+            rollout_threads: CPU threads of the background process (default half of this process's; the update
+                keeps the rest).
+            rollout_timeout_s: the longest wait for the background process (its start, or one round).
             eval: held-out evaluation: k samples per prompt for pass@k / maj@k (greedy pass@1 always).
             val_batch_size: prompts per validation batch.
             val_limit: evaluate on the first ``val_limit`` held-out prompts only.
@@ -140,17 +154,19 @@ class RolloutDataModule(LightningDataModule):
             )
         self.sampling, self.advantage = sampling or SamplingConfig(), advantage or AdvantageConfig()
         self.eval = eval or EvalConfig()
-        if old_logprobs == "sampler" and not self.engine.engine.shares_weights:
-            raise ConfigError(
-                f"data.old_logprobs: sampler takes π_old from the {self.engine.engine.name} engine, whose log-probs "
-                "are not the trainer's; use auto or recompute (the ratio needs the trainer's π_old)"
-            )
-        if old_logprobs == "sampler" and self.sampling.params().filtered:
-            raise ConfigError(
-                "data.old_logprobs: sampler takes π_old from the engine's log-probs, which are those of the filtered "
-                "distribution it sampled (data.sampling.top_k, top_p or min_new_tokens set), not the policy's; use "
-                "auto or recompute"
-            )
+        check_round_settings(
+            engine=self.engine.engine,
+            old_logprobs=old_logprobs,
+            rollout_lag=rollout_lag,
+            correction=off_policy_correction,
+            curriculum=curriculum is not None,
+        )
+        self.rollout_lag, self.off_policy_correction = rollout_lag, off_policy_correction
+        self.background = (
+            BackgroundRollouts(rollout_lag, self.engine.engine, rollout_threads, rollout_timeout_s)
+            if rollout_lag
+            else None
+        )
         self.prompts_per_round, self.num_iterations = prompts_per_round, num_iterations
         self.mini_batch_size, self.micro_batch_size = mini_batch_size, micro_batch_size
         self.old_logprobs, self.mask_truncated_completions = old_logprobs, mask_truncated_completions
@@ -246,49 +262,50 @@ class RolloutDataModule(LightningDataModule):
         module, trainer = self.policy_side, self.trainer
         full_precision = str(trainer.precision) in ("32-true", "32", "64-true")
         mini = self.mini_batch_size or self.rollout_size
-        engine = self.engine.get(module)
+        engine = self.engine.engine  # its settings only: not set up here (at a lag it never samples a round)
         return RoundSettings(
             sampling=self.sampling,
             advantage=self.advantage,
             optimizer_steps=self.num_iterations * (self.rollout_size // mini),
             old_logprobs=self.old_logprobs,
-            # top-k, top-p or a minimum length: the engine's log-probs are of the filtered distribution, not π_old's
-            engine_logprobs_exact=full_precision
-            and engine.logprobs_match_policy(module.policy)
-            and not self.sampling.params().filtered,
+            engine_logprobs_exact=full_precision and engine.logprobs_match_policy(module.policy),
             importance_correction=not engine.shares_weights,
             mask_truncated_completions=self.mask_truncated_completions,
             dynamic_sampling=self.dynamic_sampling,
             max_sampling_rounds=self.max_sampling_rounds,
             environment=self.environment,
             reference=module.has_reference,
+            rollout_lag=self.rollout_lag,
+            correction=self.off_policy_correction,
         )
 
     def collect_round(self) -> list[dict[str, Any]]:
-        """Run this round (``run_round``) and cut it into the micro-batches of μ passes."""
+        """Run this round (``run_round``; at a lag, ``finish_round`` on what the background process sampled) and
+        cut it into the micro-batches of μ passes."""
         module, trainer = self.policy_side, self.trainer
-        engine = self.engine.get(module)
-        if not engine.is_current(module.global_step):
-            raise RuntimeError(
-                f"the {engine.name} engine holds the weights of step {engine.weights_version}, the policy is at "
-                f"step {module.global_step}: add the callback grpo_lightning.callbacks.OldPolicySync (the CLI adds "
-                "it), which gives the engine the policy's weights at every round start"
-            )
         gather = module.all_gather if trainer.world_size > 1 else None
         per_rank = functools.partial(gather_per_rank, trainer) if trainer.world_size > 1 else None
+        settings = self.round_settings()
         with module.rollout_context():
-            rollout = run_round(
-                self.next_prompts,
-                engine=engine,
-                encoder=self.encoder(),
-                scorer=self.scorer,
-                logprobs=module.rollout_logprobs,
-                settings=self.round_settings(),
-                generator=self.sampling_generator(module.device),
-                device=module.device,
-                all_gather=gather,
-                per_rank=per_rank,
-            )
+            if self.background is not None:
+                sampled = self.background.take(self, module, trainer.current_epoch)
+                rollout = finish_round(
+                    sampled, logprobs=module.rollout_logprobs, settings=settings, all_gather=gather, per_rank=per_rank
+                )
+                rollout.metrics["rollout/lag"] = float(trainer.current_epoch - sampled.version)
+            else:
+                rollout = run_round(
+                    self.next_prompts,
+                    engine=self.current_engine(module),
+                    encoder=self.encoder(),
+                    scorer=self.scorer,
+                    logprobs=module.rollout_logprobs,
+                    settings=settings,
+                    generator=self.sampling_generator(module.device),
+                    device=module.device,
+                    all_gather=gather,
+                    per_rank=per_rank,
+                )
         if self.curriculum is not None:  # feed the round's pass rates back; adds curriculum/ metrics
             self.curriculum.observe(
                 rollout,
@@ -309,9 +326,23 @@ class RolloutDataModule(LightningDataModule):
         batches[0]["rollout_metrics"] = rollout.metrics  # logged once per round by the module
         return batches
 
+    def current_engine(self, module: PolicySide) -> RolloutEngine:
+        """The engine, set up on ``module``'s policy and refused if it holds stale weights."""
+        engine = self.engine.get(module)
+        if not engine.is_current(module.global_step):
+            raise RuntimeError(
+                f"the {engine.name} engine holds the weights of step {engine.weights_version}, the policy is at "
+                f"step {module.global_step}: add the callback grpo_lightning.callbacks.OldPolicySync (the CLI adds "
+                "it), which gives the engine the policy's weights at every round start"
+            )
+        return engine
+
     def teardown(self, stage: str) -> None:
-        """The engine lets go of what it holds (vLLM: memory, process group); its next use sets it up again."""
+        """The engine lets go of what it holds (vLLM: memory, process group); its next use sets it up again. The
+        background process of a lag stops (its rounds in flight are dropped: a checkpoint never needs them)."""
         self.engine.engine.close()
+        if self.background is not None:
+            self.background.close()
 
     # ----------------------------------------------------------------------------------------- loaders
     def train_dataloader(self) -> DataLoader:
@@ -339,62 +370,10 @@ class RolloutDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Every rank's place in the prompt stream and sampling stream (a collective under data parallelism:
-        Lightning calls it on every rank when it saves a checkpoint)."""
-        generator = self.generator.get_state() if self.generator is not None else self._generator_state
-        ranks = gather_per_rank(self.trainer, {"position": self.position, "sampling_generator": generator})
-        state = {
-            "position": ranks[0]["position"],  # rank 0's, as checkpoints without ``positions`` have it
-            "positions": [r["position"] for r in ranks],
-            "sampling_generators": [r["sampling_generator"] for r in ranks],
-            "seed": self.seed,
-            "dataset": self.source,
-            "prompts_per_round": self.prompts_per_round,
-            "sampling": dataclasses.asdict(self.sampling),  # what sampled: tools/export_hf.py's generation config
-        }
-        if self.curriculum is not None:  # the per-prompt pass rates: a key of its own
-            state["curriculum"] = self.curriculum.state_dict()
-        return state
+        """Every rank's place in the prompt and sampling streams, and at a lag the rounds sampled ahead (a
+        collective under data parallelism: Lightning calls it on every rank when it saves a checkpoint)."""
+        return datamodule_state(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue the prompt and sampling streams where the checkpoint left them."""
-        world = self.trainer.world_size if self.trainer is not None else 1
-        rank = self.trainer.global_rank if self.trainer is not None else 0
-        self.stream.restore(state_dict.get("positions") or [state_dict.get("position")], rank, world)
-        generators = state_dict.get("sampling_generators") or []
-        self._generator_state = generators[rank] if len(generators) == world else None
-        self.generator = None
-        changed = [
-            f"data.{key}={state_dict[key]!r}"
-            for key, value in (
-                ("seed", self.seed),
-                ("dataset", self.source),
-                ("prompts_per_round", self.prompts_per_round),
-            )
-            if key in state_dict and state_dict[key] != value
-        ]
-        if changed:
-            # Allowed (a new dataset or seed can be intended), but the run then differs from an uninterrupted one.
-            log.warning(
-                "resuming a prompt stream made with %s; it continues at position %d", ", ".join(changed), self.position
-            )
-        if self.curriculum is not None and "curriculum" in state_dict:
-            self.curriculum.load_state_dict(state_dict["curriculum"])
-
-
-class LazyRound(torch.utils.data.Dataset):
-    """The micro-batches of one round, generated when the first one is fetched (see the module docstring)."""
-
-    def __init__(self, collect: Callable[[], list[dict[str, Any]]], length: int) -> None:
-        self.collect, self.length = collect, length
-        self.batches: list[dict[str, Any]] | None = None
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        if self.batches is None:
-            self.batches = self.collect()
-            if len(self.batches) != self.length:  # the settings fix the count; a mismatch is a bug
-                raise RuntimeError(f"the round made {len(self.batches)} micro-batches, {self.length} were planned")
-        return self.batches[index]
+        """Continue the prompt and sampling streams (and the rounds sampled ahead) where the checkpoint left them."""
+        restore_datamodule(self, state_dict)

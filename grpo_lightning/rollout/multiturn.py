@@ -67,6 +67,7 @@ class _Trajectory:
     ids: list[int] = field(default_factory=list)
     action: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    policy_logprobs: list[float] = field(default_factory=list)
     segments: list[str] = field(default_factory=list)
     final_text: str = ""
     turns: int = 0
@@ -75,10 +76,17 @@ class _Trajectory:
     rewards: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
 
-    def append(self, ids: list[int], policy: bool, logprobs: list[float] | None = None) -> None:
+    def append(
+        self,
+        ids: list[int],
+        policy: bool,
+        logprobs: list[float] | None = None,
+        policy_logprobs: list[float] | None = None,
+    ) -> None:
         self.ids += ids
         self.action += [int(policy)] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        self.policy_logprobs += policy_logprobs if policy_logprobs is not None else [0.0] * len(ids)
 
 
 def setup_environment(environment: Environment, tokenizer: Any) -> None:
@@ -163,6 +171,7 @@ def generate_trajectories(
     stop_ids = stop_sequences(environment, tokenizer)
     stop_texts, ends = environment.stop_texts, end_token_ids(engine, tokenizer)
     env_seconds = 0.0
+    with_policy_logprobs = return_logprobs  # while every turn's engine call gave them (lean, transformers)
 
     started = time.perf_counter()
     trajectories = []
@@ -204,6 +213,8 @@ def generate_trajectories(
         lengths = out.completion_mask.sum(-1).tolist()
         generated = out.completion_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        policy_logprobs = out.policy_logprobs.tolist() if out.policy_logprobs is not None else None
+        with_policy_logprobs = with_policy_logprobs and policy_logprobs is not None
         for i, (trajectory, limit) in enumerate(zip(active, limits)):
             ids = generated[i][: min(lengths[i], limit)]
             ids = ids[: next((k + 1 for k, token in enumerate(ids) if token in ends), len(ids))]  # its first end
@@ -212,7 +223,12 @@ def generate_trajectories(
             ended = bool(ids) and ids[-1] in ends
             stopped = found and not ended  # cut right after its stop text
             text = tokenizer.decode(ids, skip_special_tokens=True)
-            trajectory.append(ids, policy=True, logprobs=logprobs[i][: len(ids)] if logprobs else None)
+            trajectory.append(
+                ids,
+                policy=True,
+                logprobs=logprobs[i][: len(ids)] if logprobs else None,
+                policy_logprobs=policy_logprobs[i][: len(ids)] if policy_logprobs else None,
+            )
             trajectory.segments.append(text)
             trajectory.final_text, trajectory.turns = text, trajectory.turns + 1
 
@@ -235,8 +251,9 @@ def generate_trajectories(
                 continue
             trajectory.append(observed, policy=False)
             trajectory.segments.append(tokenizer.decode(observed))
+    logprob_kinds = (return_logprobs, with_policy_logprobs)
     return _assemble(
-        trajectories, prompt_ids, prompt_mask, group, tokenizer.pad_token_id, env_seconds, device, return_logprobs
+        trajectories, prompt_ids, prompt_mask, group, tokenizer.pad_token_id, env_seconds, device, logprob_kinds
     )
 
 
@@ -248,7 +265,7 @@ def _assemble(
     pad_token_id: int,
     env_seconds: float,
     device: torch.device | str,
-    with_logprobs: bool,
+    logprob_kinds: tuple[bool, bool],
 ) -> Trajectories:
     ids = _right_padded([t.ids for t in trajectories], pad_token_id, torch.long, device)
     mask = _right_padded([[1] * len(t.ids) for t in trajectories], 0, torch.long, device)
@@ -259,7 +276,10 @@ def _assemble(
         completion_mask=mask,
         truncated=torch.tensor([t.truncated for t in trajectories], device=ids.device),
         logprobs=_right_padded([t.logprobs for t in trajectories], 0.0, torch.float32, device)
-        if with_logprobs
+        if logprob_kinds[0]
+        else None,
+        policy_logprobs=_right_padded([t.policy_logprobs for t in trajectories], 0.0, torch.float32, device)
+        if logprob_kinds[1]
         else None,
     )
     names = sorted({name for t in trajectories for name in t.rewards})

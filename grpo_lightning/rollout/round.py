@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
 
-from grpo_lightning.config import AdvantageConfig, SamplingConfig
+from grpo_lightning.config import AdvantageConfig, ConfigError, SamplingConfig
 from grpo_lightning.engines.base import RolloutEngine
 from grpo_lightning.environments.base import Environment
 from grpo_lightning.loss import group_advantages, process_advantages
@@ -53,6 +53,54 @@ class RoundSettings:
     """Multi-turn rollouts against this environment (``rollout/multiturn.py``); None = one completion each."""
     reference: bool = True
     """Whether there is a reference model (β > 0): π_ref's log-probs for the KL term."""
+    rollout_lag: int = 0
+    """L: the rollout trained on was sampled by the policy of L rounds before (``rollout/schedule.py``)."""
+    correction: Literal["decoupled", "behaviour", "none"] = "decoupled"
+    """At a lag: ``decoupled`` (ratio to π_prox, the policy at the update's start, times the behaviour weight
+    π_prox / μ, truncated or masked), ``behaviour`` (ratio to μ directly) or ``none`` (ratio to π_prox only)."""
+
+    @property
+    def record_old(self) -> bool:
+        """Whether the loss needs π_old's log-probs: after a round's first optimizer step the policy is no longer
+        the one the ratio is taken to; at a lag with ``behaviour``, the ratio is to the sampler's (μ) always."""
+        return self.optimizer_steps > 1 or (self.rollout_lag > 0 and self.correction == "behaviour")
+
+    @property
+    def old_from_engine(self) -> bool:
+        """Whether π_old is the engine's log-probs (no pass of the trainer's): at lag 0 where they are the
+        trainer's own (or ``sampler`` says so); at a lag with ``behaviour``, μ is π_old by definition."""
+        if self.rollout_lag > 0:
+            return self.correction == "behaviour"
+        exact = self.old_logprobs == "auto" and self.engine_logprobs_exact
+        return self.record_old and (self.old_logprobs == "sampler" or exact)
+
+    @property
+    def behaviour_weight(self) -> bool:
+        """Whether the loss weighs each token by π_old / μ (the engine's log-probs kept): an engine that is not
+        the trainer (vLLM), or a lag with the ``decoupled`` correction."""
+        if self.rollout_lag > 0:
+            return self.correction == "decoupled"
+        return self.importance_correction
+
+    @property
+    def engine_logprobs(self) -> bool:
+        """Whether the engine must return its log-probs (for π_old or the behaviour weight)."""
+        return self.old_from_engine or self.behaviour_weight
+
+
+@dataclass
+class SampledRound:
+    """Steps 1–3 of a round (generate, score, filter): all that needs no model of the trainer's and no other rank,
+    so a background process can make it (``rollout/worker.py``)."""
+
+    batch: RolloutBatch
+    generated: int = 0
+    """Completions generated (dynamic sampling draws more than it keeps)."""
+    draws: int = 1
+    """Generations it took (each one ``next_rows()``)."""
+    timings: dict[str, float] = field(default_factory=dict)
+    version: int = 0
+    """The weights that sampled it: the number of rounds trained when they were taken (``rollout/schedule.py``)."""
 
 
 def run_round(
@@ -68,21 +116,33 @@ def run_round(
     all_gather: Callable[[Tensor], Tensor] | None = None,
     per_rank: Callable[[Any], list[Any]] | None = None,
 ) -> RolloutBatch:
-    """Sample G completions for each prompt of ``next_rows()``, score them and compute what the loss needs.
+    """Sample G completions for each prompt of ``next_rows()``, score them and compute what the loss needs:
+    ``sample_round`` then ``finish_round``, in one go (lag 0)."""
+    sampled = sample_round(
+        next_rows, engine=engine, encoder=encoder, scorer=scorer, settings=settings, generator=generator, device=device
+    )
+    return finish_round(sampled, logprobs=logprobs, settings=settings, all_gather=all_gather, per_rank=per_rank)
+
+
+def sample_round(
+    next_rows: Callable[[], dict[str, list[Any]]],
+    *,
+    engine: RolloutEngine,
+    encoder: PromptEncoder,
+    scorer: Scorer,
+    settings: RoundSettings,
+    generator: torch.Generator,
+    device: torch.device | str = "cpu",
+) -> SampledRound:
+    """1. generate (π_old), 2. score, 3. filter.
 
     ``next_rows`` returns the next prompts (a dict of columns: ``prompt`` and the dataset's other columns).
     With ``dynamic_sampling`` (DAPO), groups whose rewards are all equal are dropped and more prompts are drawn,
     up to ``max_sampling_rounds`` generations, until the rollout has as many informative groups as one draw; if
     the cap is reached the rollout is topped up with uninformative groups (zero advantage), so every rank always
-    trains on the same number of rows. ``all_gather`` collects every rank's rewards for ``scale: batch``;
-    ``per_rank`` collects a small value of every rank, in rank order (``strategies.gather_per_rank``), to agree on
-    the environment's metric and reward names. Both are collectives, None in a single process.
+    trains on the same number of rows.
     """
     timings: dict[str, float] = {}
-    record_old = settings.optimizer_steps > 1  # after the first step, the policy is no longer the one that sampled
-    engine_old = record_old and (
-        settings.old_logprobs == "sampler" or (settings.old_logprobs == "auto" and settings.engine_logprobs_exact)
-    )
 
     def sample() -> RolloutBatch:
         return sample_and_score(
@@ -92,18 +152,37 @@ def run_round(
             scorer=scorer,
             params=settings.sampling.params(),
             generator=generator,
-            return_logprobs=engine_old or settings.importance_correction,
+            return_logprobs=settings.engine_logprobs,
             device=device,
             timings=timings,
             environment=settings.environment,
         )
 
     batch = sample()  # 1. generate (π_old) and 2. score
-    generated, rounds = len(batch), 1
+    generated, draws = len(batch), 1
     if settings.dynamic_sampling:  # 3. filter: DAPO dynamic sampling
-        batch, generated, rounds = refill_informative(
+        batch, generated, draws = refill_informative(
             batch, sample, settings.sampling.group_size, settings.max_sampling_rounds, encoder.tokenizer.pad_token_id
         )
+    return SampledRound(batch, generated, draws, timings)
+
+
+def finish_round(
+    sampled: SampledRound,
+    *,
+    logprobs: LogprobFn,
+    settings: RoundSettings,
+    all_gather: Callable[[Tensor], Tensor] | None = None,
+    per_rank: Callable[[Any], list[Any]] | None = None,
+) -> RolloutBatch:
+    """4. advantages, the loss mask, 5. π_old's and π_ref's log-probs, and the round's metrics, on the trainer's
+    side (the current weights; collectives where ranks must agree).
+
+    ``all_gather`` collects every rank's rewards for ``scale: batch``; ``per_rank`` collects a small value of every
+    rank, in rank order (``strategies.gather_per_rank``), to agree on the environment's metric and reward names.
+    Both are collectives, None in a single process.
+    """
+    batch, timings = sampled.batch, dict(sampled.timings)
     if settings.environment is not None and per_rank is not None:
         # An environment's metrics and reward parts are named by what the rank's trajectories did (a tool call):
         # every rank takes the names of all ranks (0 where it had none), so all log the same metrics. Only an
@@ -115,20 +194,32 @@ def run_round(
     if settings.mask_truncated_completions:
         batch.loss_mask[batch.truncated] = 0  # DAPO overlong filtering: truncated completions teach nothing
 
-    start = time.perf_counter()  # 5. π_old (unless the engine's are kept) and π_ref, without gradients
-    old, ref = logprobs(batch, old=record_old and not engine_old, ref=settings.reference)
-    batch.old_logprobs = (batch.engine_logprobs if engine_old else old) if record_old else None
+    start = time.perf_counter()  # 5. π_old (unless the sampler's are kept) and π_ref, without gradients
+    record_old, from_engine = settings.record_old, settings.old_from_engine
+    # The sampler's π_old: the tempered policy's log-probs (lean, transformers give them beside the filtered ones);
+    # at a lag with ``behaviour``, μ itself.
+    sampler_old = batch.engine_logprobs if settings.rollout_lag > 0 else batch.policy_logprobs
+    if record_old and from_engine and sampler_old is None:
+        if settings.old_logprobs == "sampler":
+            raise ConfigError(
+                "data.old_logprobs: sampler, but the engine returned no log-probs of the policy (only those of "
+                "its filtered sampling distribution); use auto or recompute"
+            )
+        from_engine = False  # auto: recomputed
+    old, ref = logprobs(batch, old=record_old and not from_engine, ref=settings.reference)
+    batch.old_logprobs = (sampler_old if from_engine else old) if record_old else None
     batch.ref_logprobs = ref
-    if not settings.importance_correction:
+    batch.policy_logprobs = None  # in π_old now, where needed
+    if not settings.behaviour_weight:
         batch.engine_logprobs = None
     timings["logprobs"] = time.perf_counter() - start
 
     batch.metrics = rollout_metrics(batch, settings.sampling.group_size, timings)
     if settings.dynamic_sampling:
         group_size = settings.sampling.group_size
-        batch.metrics["rollout/sampling_rounds"] = float(rounds)
+        batch.metrics["rollout/sampling_rounds"] = float(sampled.draws)
         batch.metrics["rollout/filtered_fraction"] = 1.0 - informative_groups(batch, group_size).float().mean().item()
-        batch.metrics["rollout/generated_completions"] = float(generated)
+        batch.metrics["rollout/generated_completions"] = float(sampled.generated)
     return batch
 
 

@@ -93,6 +93,7 @@ def sample_and_score(
         completions=texts,
         reward_columns=scores.per_function,
         engine_logprobs=completions.logprobs,
+        policy_logprobs=completions.policy_logprobs,
         correct=scores.correct,
         temperature=params.temperature,
         max_new_tokens=params.max_new_tokens,
