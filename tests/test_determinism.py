@@ -95,6 +95,7 @@ def test_three_plus_three_rounds_equal_six_at_a_rollout_lag_at_two_threads(tmp_p
     """At ``data.rollout_lag`` 1 and 2 a background process samples ahead, the threads split one for it and one
     for the update (the defaults on 2 cores): 3 rounds resumed to 6 equal 6 rounds, in separate processes."""
     args = ("--data.rollout_lag", str(lag))
+    six = start_fit(tmp_path / "six", 6, *args)  # beside the first 3 rounds, then beside their resume
     finish(start_fit(tmp_path / "a", 3, *args))
-    finish(start_fit(tmp_path / "a", 6, "--ckpt_path", "last", *args), start_fit(tmp_path / "six", 6, *args))
+    finish(start_fit(tmp_path / "a", 6, "--ckpt_path", "last", *args), six)
     assert_same_weights(policy_weights(tmp_path / "a" / LAST), policy_weights(tmp_path / "six" / LAST))

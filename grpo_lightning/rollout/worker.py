@@ -121,11 +121,12 @@ class RolloutWorker:
         return self._receive("done", self.timeout_s)
 
     def close(self) -> None:
-        """Stop the process (politely, then by force)."""
+        """Stop the process: asked to (it reads the request between rounds), then killed if still there after 3 s
+        (a round in flight is not worth waiting for: a checkpoint never needs it)."""
         if self.process.is_alive():
             with contextlib.suppress(Exception):
                 self.requests.put(("stop",))
-            self.process.join(timeout=10)
+            self.process.join(timeout=3)
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout=10)
@@ -169,6 +170,10 @@ class WorkerTraceback(Exception):
 # ------------------------------------------------------------------------------------------- the process
 def _serve(spec: WorkerSpec, requests: Any, results: Any, parent: int) -> None:
     _die_with_parent()
+    # A SIGTERM or Ctrl-C for the whole job (SLURM's, a terminal's) is the trainer's to handle: it finishes its
+    # round, waits for this process's round in flight, saves and stops it. (SIGALRM stays: the time limits.)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         torch.set_num_threads(spec.threads)
         model = _build_model(spec)
