@@ -43,10 +43,6 @@ class RolloutSchedule:
         self.position: int | None = None  # the prompt stream after the last collected round (None: not started)
         self.worker: RolloutWorker | None = None
 
-    def version_of(self, round_index: int) -> int:
-        """The weights version (rounds trained) that samples round ``round_index``."""
-        return max(0, round_index - self.lag)
-
     def take(
         self,
         round_index: int,
@@ -165,6 +161,7 @@ class BackgroundRollouts:
             raise
         if self.schedule.position is not None:
             datamodule.stream.position = self.schedule.position
+        sampled.batch = sampled.batch.to(module.device)  # sent on the CPU; the log-prob passes run on the device
         sampled.timings["wait"] = time.perf_counter() - start
         return sampled
 
