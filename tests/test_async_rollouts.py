@@ -68,6 +68,28 @@ class Versions(Callback):
         self.trained[trainer.current_epoch] = rollout.completion_ids[:, :DIGITS].tolist()
 
 
+def lagged(**settings) -> RolloutDataModule:
+    """A small ``RolloutDataModule`` at lag 1; ``settings`` override any of its own."""
+    small = {
+        "sampling": SamplingConfig(group_size=2, max_new_tokens=4),
+        "prompts_per_round": 2,
+        "rollout_lag": 1,
+        "val_split": None,
+        "task_kwargs": {"test_size": 20},
+    }
+    return RolloutDataModule(**{**small, **settings})
+
+
+class Rollouts(Callback):
+    """Every round's rollout, as trained on."""
+
+    def __init__(self) -> None:
+        self.rollouts: list = []
+
+    def on_train_epoch_end(self, trainer, module):
+        self.rollouts.append(trainer.datamodule.last_rollout)
+
+
 def assert_same_tensors(reference, resumed):
     """Rewards, completions, losses, β and the final weights of two runs of ``test_resume.fit``'s recipe."""
     (ref_module, _, ref), (module, parts) = reference, resumed
@@ -137,15 +159,7 @@ FAILS: dict[str, int] = {}
 def test_a_reward_that_fails_in_the_background_stops_the_run_with_its_own_error(tmp_path):
     from grpo_lightning.rewards import RewardError
 
-    module = GRPOModule(tiny_model=TINY)
-    data = RolloutDataModule(
-        rewards=[RewardSpec("async_fails_in_round_2")],
-        sampling=SamplingConfig(group_size=2, max_new_tokens=4),
-        prompts_per_round=2,
-        rollout_lag=1,
-        val_split=None,
-        task_kwargs={"test_size": 20},
-    )
+    module, data = GRPOModule(tiny_model=TINY), lagged(rewards=[RewardSpec("async_fails_in_round_2")])
     trainer = quiet_trainer(tmp_path, max_epochs=4)
     with pytest.raises(RewardError, match="async_fails_in_round_2.*injected failure in the worker") as raised:
         trainer.fit(module, datamodule=data)
@@ -160,15 +174,7 @@ def hangs(prompts, completions, **_):
 
 
 def test_a_worker_that_dies_or_hangs_is_reported_not_waited_for(tmp_path):
-    module = GRPOModule(tiny_model=TINY)
-    data = RolloutDataModule(
-        sampling=SamplingConfig(group_size=2, max_new_tokens=4),
-        prompts_per_round=2,
-        rollout_lag=1,
-        rollout_timeout_s=3,
-        val_split=None,
-        task_kwargs={"test_size": 20},
-    )
+    module, data = GRPOModule(tiny_model=TINY), lagged(rollout_timeout_s=3)
 
     class Killed(Callback):
         def on_train_epoch_end(self, trainer, module):
@@ -178,16 +184,7 @@ def test_a_worker_that_dies_or_hangs_is_reported_not_waited_for(tmp_path):
     with pytest.raises(RuntimeError, match=r"the rollout worker process died \(exit code -9\)"):
         trainer.fit(module, datamodule=data)
 
-    module = GRPOModule(tiny_model=TINY)
-    data = RolloutDataModule(
-        rewards=[RewardSpec("async_hangs")],
-        sampling=SamplingConfig(group_size=2, max_new_tokens=4),
-        prompts_per_round=2,
-        rollout_lag=1,
-        rollout_timeout_s=3,
-        val_split=None,
-        task_kwargs={"test_size": 20},
-    )
+    module, data = GRPOModule(tiny_model=TINY), lagged(rewards=[RewardSpec("async_hangs")], rollout_timeout_s=3)
     with pytest.raises(TimeoutError, match=r"no result in 3 s \(data.rollout_timeout_s\)"):
         quiet_trainer(tmp_path / "hung", max_epochs=1).fit(module, datamodule=data)
 
@@ -214,13 +211,7 @@ def test_multi_turn_tool_calls_with_dynamic_sampling_on_the_transformers_engine_
         val_split=None,
     )
 
-    class Rounds(Callback):
-        rollouts: list = []
-
-        def on_train_epoch_end(self, trainer, module):
-            self.rollouts.append(trainer.datamodule.last_rollout)
-
-    rounds = Rounds()
+    rounds = Rollouts()
     quiet_trainer(tmp_path, max_epochs=3, callbacks=[rounds]).fit(module, datamodule=data)
     assert [r.metrics["rollout/lag"] for r in rounds.rollouts] == [0.0, 1.0, 1.0]
     assert all("rollout/sampling_rounds" in r.metrics for r in rounds.rollouts)
@@ -240,22 +231,8 @@ def test_the_background_process_ends_completions_at_every_eos_id_of_the_model(tm
 
     folder, second = make_instruct_like_folder(tmp_path / "model")
     module = GRPOModule(model_name_or_path=folder, lr=1e-3)
-    data = RolloutDataModule(
-        rewards=[RewardSpec("async_digit_sum")],
-        sampling=SamplingConfig(group_size=8, max_new_tokens=16),
-        prompts_per_round=4,
-        rollout_lag=1,
-        val_split=None,
-        task_kwargs={"test_size": 20},
-    )
-
-    class Last(Callback):
-        rollouts: list = []
-
-        def on_train_epoch_end(self, trainer, module):
-            self.rollouts.append(trainer.datamodule.last_rollout)
-
-    last = Last()
+    data = lagged(rewards=[RewardSpec("async_digit_sum")], sampling=SamplingConfig(group_size=8, max_new_tokens=16))
+    last = Rollouts()
     quiet_trainer(tmp_path / "run", max_epochs=2, callbacks=[last]).fit(module, datamodule=data)
     tokenizer = load_tokenizer(folder)
     ends = model_end_ids(module.policy, tokenizer)
@@ -284,27 +261,17 @@ def behaviour_weights_at_a_lag(tmp_path, engine):
     from grpo_lightning.loss import truncated_importance_weights
 
     module = GRPOModule(tiny_model=TINY, lr=1e-7)  # the policy barely moves: staleness alone mismatches nothing
-    data = RolloutDataModule(
+    data = lagged(
         engine=engine,
         rewards=[RewardSpec("async_digit_sum")],
         sampling=SamplingConfig(group_size=4, max_new_tokens=8),
         prompts_per_round=4,
         num_iterations=2,
-        rollout_lag=1,
-        val_split=None,
-        task_kwargs={"test_size": 20},
     )
-
-    class Keep(Callback):
-        rollout = None
-
-        def on_train_epoch_end(self, trainer, module):
-            self.rollout = trainer.datamodule.last_rollout
-
-    keep = Keep()
+    keep = Rollouts()
     trainer = quiet_trainer(tmp_path, max_epochs=2, callbacks=[keep])
     trainer.fit(module, datamodule=data)
-    rollout = keep.rollout
+    rollout = keep.rollouts[-1]
     weights, metrics = truncated_importance_weights(
         rollout.old_logprobs, rollout.engine_logprobs, rollout.loss_mask, cap=2.0
     )
