@@ -26,6 +26,7 @@ from grpo_lightning.callbacks.policy_sync import OldPolicySync
 from grpo_lightning.callbacks.wandb_logger import LoggerSaveConfigCallback
 from grpo_lightning.checkpoint_io import AtomicCheckpointIO
 from grpo_lightning.config import AdvantageConfig, ConfigError, EvalConfig, ObjectiveConfig, SamplingConfig
+from grpo_lightning.engines.http import ServerError
 from grpo_lightning.environments.tools import ToolBroken
 from grpo_lightning.guard import NonFiniteError
 from grpo_lightning.lora import LoraConfig
@@ -253,7 +254,7 @@ def user_error(err: BaseException) -> BaseException | None:
     """
     seen = set()
     while err is not None and id(err) not in seen:
-        if isinstance(err, (ConfigError, RewardError, NonFiniteError, ToolBroken)):
+        if isinstance(err, (ConfigError, RewardError, NonFiniteError, ToolBroken, ServerError)):
             return err
         seen.add(id(err))
         err = err.__cause__ or err.__context__

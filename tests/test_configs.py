@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -175,8 +176,27 @@ def tools_calculator(work: Path) -> tuple[type, list[str]]:
 
 
 SFT_SMALL = ["--data.val_limit", "8"]
+_SERVERS: dict = {}
+
+
+def quickstart_on_a_vllm_server(work: Path) -> tuple[type, list[str]]:
+    """``engines/vllm_server.yaml`` with the quickstart, against a real ``vllm serve`` of the quickstart's model
+    (started once, stopped when the tests end; the vLLM environment only)."""
+    import atexit
+
+    from vllm_servers import Server
+
+    if "quickstart" not in _SERVERS:
+        server = Server(str(TINY_ARITH), Path(tempfile.mkdtemp()) / "server.log").start()
+        atexit.register(server.stop)
+        _SERVERS["quickstart"] = server
+    cli_class, args = quickstart_with("engines/vllm_server.yaml")(work)
+    return cli_class, [*args, "--data.engine.init_args.base_urls", f"[{_SERVERS['quickstart'].url}]"]
+
+
 RUNS = {
     "quickstart.yaml": quickstart_with(),
+    "engines/vllm_server.yaml": quickstart_on_a_vllm_server,
     "recipes/grpo.yaml": quickstart_with("recipes/grpo.yaml"),
     "recipes/dapo.yaml": quickstart_with("recipes/dapo.yaml"),
     "recipes/dr_grpo.yaml": quickstart_with("recipes/dr_grpo.yaml"),

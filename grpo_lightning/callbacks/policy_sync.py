@@ -63,6 +63,12 @@ class OldPolicySync(Callback):
             background.close()
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        background = getattr(trainer.datamodule, "background", None)
+        handle = getattr(trainer.datamodule, "engine", None)
+        if background is not None and isinstance(handle, EngineHandle) and handle.engine.remote:
+            # The servers are shared with the background process, which may be sampling a round ahead from the
+            # weights it was given: it finishes that before the evaluation's push replaces them.
+            background.schedule.drain()
         self.sync(trainer, pl_module)
 
     def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

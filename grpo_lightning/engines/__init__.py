@@ -6,6 +6,8 @@
                    own forward otherwise. Shares the policy's weights. The default (``auto``).
 ``transformers``   the model's ``generate()`` (``engines/hf.py``), any causal LM. Shares the weights.
 ``vllm``           vLLM in the training process (``engines/vllm.py``), its own copy of the weights.
+``vllm_server``    running vLLM servers (``engines/vllm_server.py``) on their own GPUs or machines, the
+                   weights pushed to them after every update (``engines/weight_transfer.py``).
 =================  =====================================================================================
 
 ``data.engine`` takes a name, or ``{class_path: ..., init_args: {...}}`` for an engine with settings (one of
@@ -19,7 +21,7 @@ from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingPara
 from grpo_lightning.engines.hf import TransformersEngine
 from grpo_lightning.engines.lean import LeanEngine
 
-ENGINE_NAMES = ("auto", "lean", "transformers", "vllm")
+ENGINE_NAMES = ("auto", "lean", "transformers", "vllm", "vllm_server")
 
 
 def build_engine(spec: str | RolloutEngine) -> RolloutEngine:
@@ -38,6 +40,10 @@ def build_engine(spec: str | RolloutEngine) -> RolloutEngine:
         from grpo_lightning.engines.vllm import VLLMEngine  # imports vllm: only when asked for
 
         return VLLMEngine()
+    if spec == "vllm_server":
+        from grpo_lightning.engines.vllm_server import VLLMServerEngine  # the standard library's HTTP only
+
+        return VLLMServerEngine()
     raise ConfigError(
         f"data.engine: unknown engine {spec!r}; choose one of {', '.join(ENGINE_NAMES)}, or give "
         "{class_path: ..., init_args: {...}} for a RolloutEngine subclass"

@@ -103,6 +103,9 @@ class RolloutEngine(ABC):
     name: str = "engine"
     shares_weights: bool = True
     """Samples from the policy module itself; ``load_weights`` is then a no-op."""
+    remote: bool = False
+    """Generates in other processes that the trainer pushes to directly (``vllm_server``): at a rollout lag the
+    trainer, not the background process, pushes the weights, and the background process holds no model copy."""
 
     def __init__(self) -> None:
         self.weights_version: int | None = None  # the optimizer step of the weights held (engines with a copy)
@@ -300,4 +303,40 @@ def completions_from_tokens(
         truncated=~ended,
         logprobs=logprobs,
         policy_logprobs=policy_logprobs,
+    )
+
+
+def completions_from_rows(
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    rows: Sequence[Sequence[int]],
+    logprob_rows: Sequence[Sequence[float]] | None,
+    params: SamplingParams,
+    *,
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+) -> Completions:
+    """``Completions`` from an engine's per-row token ids (and their log-probs) as lists, rows of a prompt's group
+    adjacent: vLLM's outputs, in-process or from a server. ``params`` as requested (greedy: one row per prompt,
+    no minimum length)."""
+    width = max((len(ids) for ids in rows), default=1) or 1
+    tokens = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    logprobs = torch.zeros(len(rows), width) if logprob_rows is not None else None
+    for i, ids in enumerate(rows):
+        tokens[i, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+        if logprobs is not None:
+            logprobs[i, : len(ids)] = torch.tensor(list(logprob_rows[i]), dtype=torch.float32)
+    device = prompt_ids.device
+    return completions_from_tokens(
+        prompt_ids,
+        prompt_mask,
+        tokens.to(device),
+        group_size=1 if params.greedy else params.group_size,
+        eos_token_id=eos_token_ids,
+        pad_token_id=pad_token_id,
+        max_new_tokens=params.max_new_tokens,
+        logprobs=None if logprobs is None else logprobs.to(device),
+        stop_sequences=params.stop_sequences,
+        lengths=torch.tensor([len(ids) for ids in rows], dtype=torch.long, device=device),
+        min_new_tokens=0 if params.greedy else params.min_new_tokens,
     )

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo_lightning.config import ConfigError
-from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams, completions_from_tokens
+from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams, completions_from_rows
 from grpo_lightning.engines.weights import policy_weights, policy_weights_shapes
 from grpo_lightning.lora import is_peft_model
 from grpo_lightning.validation import config_context_length
@@ -271,28 +271,14 @@ class VLLMEngine(RolloutEngine):
             abort_leftover_requests(self.llm)  # otherwise the next call waits forever for them
             raise
         rows = [sample for request in outputs for sample in sorted(request.outputs, key=lambda o: o.index)]
-        width = max((len(s.token_ids) for s in rows), default=1) or 1
-        tokens = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        lengths = torch.tensor([len(s.token_ids) for s in rows], dtype=torch.long)
-        logprobs = torch.zeros(len(rows), width) if return_logprobs else None
-        for i, sample in enumerate(rows):
-            ids = list(sample.token_ids)
-            tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            if logprobs is not None:
-                logprobs[i, : len(ids)] = torch.tensor([step[t].logprob for step, t in zip(sample.logprobs, ids)])
-        device = prompt_ids.device
-        return completions_from_tokens(
+        return completions_from_rows(
             prompt_ids,
             prompt_mask,
-            tokens.to(device),
-            group_size=group,
-            eos_token_id=self.eos_token_ids,
+            [list(sample.token_ids) for sample in rows],
+            [[step[t].logprob for step, t in zip(s.logprobs, s.token_ids)] for s in rows] if return_logprobs else None,
+            params,
+            eos_token_ids=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
-            max_new_tokens=params.max_new_tokens,
-            logprobs=None if logprobs is None else logprobs.to(device),
-            stop_sequences=params.stop_sequences,
-            lengths=lengths.to(device),
-            min_new_tokens=min_new,
         )
 
 

@@ -56,3 +56,11 @@ def policy_weights_shapes(policy: nn.Module) -> Iterator[tuple[str, tuple[int, .
         name = name.replace(".base_layer.", ".")
         shape = tensor.shape if not hasattr(tensor, "full_tensor") else tensor.size()
         yield name, tuple(shape)
+
+
+def policy_weights_meta(policy: nn.Module) -> Iterator[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """``(name, dtype, shape)`` of what ``policy_weights`` yields, in its order, without gathering or merging."""
+    base = policy.get_base_model() if is_peft_model(policy) else policy
+    dtypes = {name.replace(".base_layer.", "."): tensor.dtype for name, tensor in base.state_dict().items()}
+    for name, shape in policy_weights_shapes(policy):
+        yield name, dtypes[name], shape

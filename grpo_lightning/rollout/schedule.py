@@ -154,7 +154,7 @@ class BackgroundRollouts:
             sampled = self.schedule.take(
                 round_index,
                 start_worker=lambda position: self._start(datamodule, module, position),
-                weights=lambda: policy_state(module.policy),
+                weights=lambda: self._weights(datamodule, module),
             )
         except BaseException:
             self.close()  # a failed or stuck worker is stopped here: Lightning runs no teardown after an error
@@ -164,6 +164,17 @@ class BackgroundRollouts:
         sampled.batch = sampled.batch.to(module.device)  # sent on the CPU; the log-prob passes run on the device
         sampled.timings["wait"] = time.perf_counter() - start
         return sampled
+
+    def _weights(self, datamodule: Any, module: Any) -> dict[str, Tensor]:
+        """What the worker is sent at a round boundary (every worker is idle then): the policy's weights, or, for
+        a remote engine (vLLM servers), only the version the servers now hold: this process pushes the weights to
+        them itself, on every rank at once (the push waits for all ranks)."""
+        if not self.engine.remote:
+            return policy_state(module.policy)
+        engine = datamodule.engine.get(module)
+        if not engine.is_current(module.global_step):
+            engine.load_weights(module.policy, module.global_step)
+        return {"pushed_version": torch.tensor(module.global_step)}
 
     def state_dict(self, stream: Any) -> dict[str, Any]:
         try:

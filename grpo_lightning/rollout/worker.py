@@ -195,8 +195,11 @@ def _serve(spec: WorkerSpec, requests: Any, results: Any, parent: int) -> None:
                 return
             if message[0] == "weights":
                 _, version, weights = message
-                model.load_state_dict(weights)
-                spec.engine.load_weights(model, version)
+                if spec.engine.remote:  # the trainer pushed these weights to the servers itself, as this version
+                    spec.engine.follow(version, int(weights["pushed_version"]))
+                else:
+                    model.load_state_dict(weights)
+                    spec.engine.load_weights(model, version)
             elif message[0] == "sample":
                 results.put(("done", _pack(_sample(spec, encoder, message[1]))))
         except BaseException as err:  # noqa: BLE001 - reported to the trainer, which raises it
@@ -207,8 +210,9 @@ def _serve(spec: WorkerSpec, requests: Any, results: Any, parent: int) -> None:
 def _build_model(spec: WorkerSpec) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    # An engine with its own copy (vLLM) keeps the weights on its device; the model here only carries them.
-    device = spec.device if spec.engine.shares_weights else "cpu"
+    # An engine with its own copy (vLLM) keeps the weights on its device; the model here only carries them. A
+    # remote engine (vLLM servers) needs only the model's shape: no memory at all.
+    device = "meta" if spec.engine.remote else spec.device if spec.engine.shares_weights else "cpu"
     with torch.device(device):  # initialised where it runs (on a GPU: seconds, not minutes); weights come pushed
         model = AutoModelForCausalLM.from_config(spec.model_config, dtype=spec.dtype)
     model.generation_config = spec.generation_config

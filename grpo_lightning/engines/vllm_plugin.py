@@ -1,0 +1,18 @@
+"""A vLLM plugin (entry point group ``vllm.general_plugins``): registers the ``gloo`` weight transport
+(``engines/vllm_gloo.py``) in every vLLM process of an environment where grpo_lightning is installed."""
+
+from __future__ import annotations
+
+
+def register() -> None:
+    """Called by vLLM at start-up in each of its processes; registering twice is harmless."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:  # a vLLM without weight transfer: nothing to add to
+        return
+    try:
+        WeightTransferEngineFactory.register_engine(
+            "gloo", "grpo_lightning.engines.vllm_gloo", "GlooWeightTransferEngine"
+        )
+    except ValueError:  # already registered in this process
+        pass

