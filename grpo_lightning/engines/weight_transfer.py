@@ -100,6 +100,13 @@ class WeightChannel:
 
     def open(self) -> None:
         """Form the group: ask every server to join while this process opens it as rank 0."""
+        for server in self.servers:
+            # A trainer killed between /start_weight_update and /finish_weight_update leaves the server's update
+            # open, and it would refuse the next start; closing it is harmless (everything is pushed next).
+            try:
+                server.post("/finish_weight_update", {}, retry=False)
+            except ServerError:
+                pass  # none was open: the usual case
         sizes = [int(s.get("/get_world_size")["world_size"]) for s in self.servers]
         world = 1 + sum(sizes)
         port = self.port or free_port(self.address)
