@@ -33,12 +33,14 @@ from engine_contract import (  # noqa: E402
     make_instruct_like_folder,
 )
 from lightning import Callback  # noqa: E402
+from test_vllm import logprob_gap, perturb  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
-from vllm_servers import Server, free_port  # noqa: E402
+from vllm_servers import Server  # noqa: E402
 
 from grpo_lightning.engines import SamplingParams  # noqa: E402
 from grpo_lightning.engines.http import ServerError  # noqa: E402
 from grpo_lightning.engines.vllm_server import VLLMServerEngine  # noqa: E402
+from grpo_lightning.engines.weight_transfer import free_port  # noqa: E402
 from grpo_lightning.models.build import load_tokenizer  # noqa: E402
 from grpo_lightning.models.logprobs import completion_logprobs  # noqa: E402
 from grpo_lightning.models.tiny import build_char_tokenizer, build_tiny_llama  # noqa: E402
@@ -91,31 +93,12 @@ def engine_for(*servers: Server, **settings) -> VLLMServerEngine:
     return VLLMServerEngine(base_urls=[s.url for s in servers], connect_timeout_s=60, **settings)
 
 
-def perturb(model: torch.nn.Module, seed: int, scale: float = 0.1) -> None:
-    """An update's worth of change: every weight moves by ``scale`` of its own spread."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(scale * parameter.std() * torch.randn(parameter.shape, generator=generator))
-
-
 def sample(engine: VLLMServerEngine, tok, seed: int = 1, prompts=PROMPTS):
     prompt_ids, prompt_mask = PromptEncoder(tok).encode(prompts)
     params = SamplingParams(group_size=2, max_new_tokens=6)
     return engine.generate(
         prompt_ids, prompt_mask, params, generator=torch.Generator().manual_seed(seed), return_logprobs=True
     )
-
-
-def logprob_gap(engine: VLLMServerEngine, model: torch.nn.Module, tok) -> float:
-    """Largest |server − trainer| log-prob over sampled tokens (0 up to rounding when the servers are current)."""
-    out = sample(engine, tok)
-    with torch.no_grad():
-        trainer, _ = completion_logprobs(
-            model, out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask
-        )
-    mask = out.completion_mask.bool()
-    return float((out.logprobs - trainer)[mask].abs().max())
 
 
 def completions_served(server: Server) -> float:
@@ -130,7 +113,7 @@ def test_the_engine_contract_holds_after_each_of_three_pushes(server_a, policy):
     engine = engine_for(server_a)
     engine.setup(model, tok)
     for version in (1, 2, 3):
-        perturb(model, seed=version)
+        perturb(model, 0.1, seed=version)
         assert logprob_gap(engine, model, tok) > 1e-2  # the servers hold the previous weights: a push is needed
         engine.load_weights(model, version)
         assert engine.is_current(version) and not engine.is_current(version + 1)
@@ -147,7 +130,7 @@ def test_the_engine_contract_holds_after_each_of_three_pushes(server_a, policy):
 
 def test_two_servers_share_a_round_and_both_take_every_push(server_a, server_b, policy):
     model, tok = policy
-    perturb(model, seed=11)
+    perturb(model, 0.1, seed=11)
     both = engine_for(server_a, server_b)
     both.setup(model, tok)
     both.load_weights(model, 7)
@@ -212,7 +195,7 @@ def _fsdp2_push(rank: int, url: str, folder: str, port: int) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    perturb(model, seed=21)
+    perturb(model, 0.1, seed=21)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -225,9 +208,9 @@ def _fsdp2_push(rank: int, url: str, folder: str, port: int) -> None:
 def test_an_fsdp2_sharded_policy_is_pushed_from_two_processes(server_a, policy, folder):
     model, tok = policy
     torch.multiprocessing.start_processes(
-        _fsdp2_push, args=(server_a.url, folder, free_port()), nprocs=2, start_method="spawn"
+        _fsdp2_push, args=(server_a.url, folder, free_port("127.0.0.1")), nprocs=2, start_method="spawn"
     )
-    perturb(model, seed=21)  # the weights the two ranks pushed
+    perturb(model, 0.1, seed=21)  # the weights the two ranks pushed
     engine = engine_for(server_a)
     engine.setup(model, tok)
     engine.pushed_version = 5  # what the servers report now
@@ -237,7 +220,7 @@ def test_an_fsdp2_sharded_policy_is_pushed_from_two_processes(server_a, policy, 
 # ---------------------------------------------------------------------------------------------------- faults
 def test_a_server_down_at_start_or_too_slow_is_named_in_one_line(server_a, policy):
     model, tok = policy
-    url = f"http://127.0.0.1:{free_port()}"
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     down = VLLMServerEngine(base_urls=[url], connect_timeout_s=2)
     with pytest.raises(ServerError, match=rf"^data.engine: the vLLM server {url} did not answer .* within 2 s") as err:
         down.setup(model, tok)

@@ -11,20 +11,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+from grpo_lightning.engines.weight_transfer import free_port
+
 START_TIMEOUT_S = 240.0  # ~30 s on an idle 2-core machine; a loaded one is several times slower
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -32,7 +27,7 @@ class Server:
 
     def __init__(self, folder: str, log: Path, *, port: int | None = None, max_model_len: int = 128) -> None:
         self.folder, self.log, self.max_model_len = folder, log, max_model_len
-        self.port = port or free_port()
+        self.port = port or free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
 

@@ -261,27 +261,30 @@ def engines(result: dict) -> None:
         folder.cleanup()
 
 
-def compare(result, folder, tokenizer, arch, dtype, prompts, prompt_len, params) -> None:
-    """Build the model into ``folder``, then time lean and (where installed) vLLM on the same prompts."""
-    import importlib.util
-
+def qwen_folder(folder: str, tokenizer, arch: dict, dtype):
+    """A random-weight Qwen2 of ``arch`` saved in ``folder`` with ``tokenizer``; returns it loaded back on the
+    device (its name_or_path is the folder, which vLLM then reads directly)."""
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from grpo_lightning.engines import LeanEngine
-
-    start = time.perf_counter()
     config = Qwen2Config(
         **arch, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
     )
     torch.manual_seed(0)
     with torch.device(device):  # initialised on the GPU: seconds instead of a minute on the CPU
-        model = Qwen2ForCausalLM(config).to(dtype)
-    model.save_pretrained(folder)
+        Qwen2ForCausalLM(config).to(dtype).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    del model
-    # Loaded back from the folder: its name_or_path is that folder, which VLLMEngine then reads directly.
-    policy = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+
+
+def compare(result, folder, tokenizer, arch, dtype, prompts, prompt_len, params) -> None:
+    """Build the model into ``folder``, then time lean and (where installed) vLLM on the same prompts."""
+    import importlib.util
+
+    from grpo_lightning.engines import LeanEngine
+
+    start = time.perf_counter()
+    policy = qwen_folder(folder, tokenizer, arch, dtype)
     result["parameters"] = sum(p.numel() for p in policy.parameters())
     result["build_s"] = time.perf_counter() - start
     expected_tokens = prompts * params.group_size * params.max_new_tokens
@@ -370,8 +373,6 @@ def servers(result: dict) -> None:
     import tempfile
     import urllib.request
 
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
     from grpo_lightning.engines.vllm_server import VLLMServerEngine
     from grpo_lightning.engines.weight_transfer import free_port
     from grpo_lightning.models.tiny import build_char_tokenizer
@@ -387,15 +388,7 @@ def servers(result: dict) -> None:
     result["transport"] = transport = "nccl" if gpus > 1 else "gloo"
     tokenizer = build_char_tokenizer()
     folder = tempfile.TemporaryDirectory(prefix="gpu-check-server-")
-    config = Qwen2Config(
-        **arch, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
-    torch.manual_seed(0)
-    with torch.device(device):
-        Qwen2ForCausalLM(config).to(dtype).save_pretrained(folder.name)
-    tokenizer.save_pretrained(folder.name)
-    policy = AutoModelForCausalLM.from_pretrained(folder.name, dtype=dtype).to(device).eval()
+    policy = qwen_folder(folder.name, tokenizer, arch, dtype)
     port = free_port("127.0.0.1")
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder.name, "--host", "127.0.0.1",

@@ -109,17 +109,11 @@ class VLLMServerEngine(RolloutEngine):
         if retries < 0:
             raise ConfigError(f"data.engine.init_args.retries must be >= 0 (got {retries})")
         self.base_urls = urls
-        self.weight_transport, self.trainer_address, self.transfer_port = (
-            weight_transport,
-            trainer_address,
-            transfer_port,
-        )
-        self.connect_timeout_s, self.request_timeout_s, self.push_timeout_s = (
-            connect_timeout_s,
-            request_timeout_s,
-            push_timeout_s,
-        )
-        self.retries, self.max_concurrent_requests = retries, max_concurrent_requests
+        self.weight_transport = weight_transport
+        self.trainer_address, self.transfer_port = trainer_address, transfer_port
+        self.connect_timeout_s, self.request_timeout_s = connect_timeout_s, request_timeout_s
+        self.push_timeout_s, self.retries = push_timeout_s, retries
+        self.max_concurrent_requests = max_concurrent_requests
         self._servers: list[ServerClient] | None = None
         self._model_ids: list[str] = []
         self._context: int | None = None
