@@ -5,7 +5,8 @@ The quickstart's command line, 5 rounds, a checkpoint every round. A reward of w
 generations in a file and, in the interrupted run, sleeps in one of them (the 5th: round 4's, sampled while round 3
 updates) until the test has sent its signal. kill -9 of the trainer takes the background process with it. A
 SIGTERM sent to the process group (as SLURM or a terminal's Ctrl-C do) reaches both: the background process leaves
-it to the trainer, which finishes its round, waits for the round in flight, saves and exits 0.
+it to the trainer, which finishes its round (or, when the signal finds it still at the round boundary, abandons
+the round not yet begun), waits for the round in flight, saves and exits 0.
 """
 
 from __future__ import annotations
@@ -154,5 +155,8 @@ def test_sigterm_to_the_whole_job_saves_and_stops_then_resume_equals_an_uninterr
     run = interrupt(tmp_path, lambda run: os.killpg(run.pid, signal.SIGTERM))
     output, _ = run.communicate(timeout=300)
     assert run.returncode == 0, output[-3000:]
-    assert "SIGTERM: stopping after round" in output
+    # Which of the two stops it takes is a race: the signal lands during an update (finish it, save that round) or,
+    # on a loaded machine, while the trainer is still at the round boundary (abandon the round not yet begun, save
+    # the one before). Both must resume exactly (both were seen: 2 of 3 and 1 of 3 runs under a 2-core load).
+    assert "SIGTERM: stopping after round" in output or "SIGTERM during the rollout of round" in output, output[-3000:]
     resume_and_compare(tmp_path, reference)
