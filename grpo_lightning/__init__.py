@@ -16,6 +16,8 @@ _EXPORTS = {
     "ObjectiveConfig": "grpo_lightning.config",
     "SamplingConfig": "grpo_lightning.config",
     "GRPOModule": "grpo_lightning.module",
+    "LossInputs": "grpo_lightning.losses",
+    "register_policy_loss": "grpo_lightning.losses",
     "RewardSpec": "grpo_lightning.rewards",
     "RolloutDataModule": "grpo_lightning.rollout.datamodule",
     "SFTDataModule": "grpo_lightning.sft",

@@ -6,11 +6,17 @@ loaded, with a one-line message that names the setting.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
+
+from grpo_lightning.losses import GENERIC_SETTINGS, PolicyLoss, check_policy_loss
 
 if TYPE_CHECKING:
     from grpo_lightning.engines.base import SamplingParams
+
+
+Aggregation = Literal["sequence_mean", "token_mean", "micro_batch_token_mean", "constant", "sequence_sum"]
 
 
 class ConfigError(ValueError):
@@ -74,19 +80,37 @@ class SamplingConfig:
 
 @dataclass
 class ObjectiveConfig:
-    """The GRPO loss and its variants (``model.objective``); names match ``grpo_lightning.loss.grpo_loss``'s
+    """The GRPO loss and its variants (``model.objective``); names match ``grpo_lightning.losses.grpo_loss``'s
     keyword arguments. The rollout side of the algorithm (advantages, μ, π_old's source) is ``data``'s."""
 
     beta: float = 0.04
     """KL weight against the reference model. 0 skips the reference model entirely (not even built)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    epsilon_low: float = 0.2
+    kl_importance_weighted: bool = False
+    """Multiply each token's KL estimate by π_θ/π_old (the "unbiased" KL of DeepSeek-V3.2, TRL's
+    ``use_bias_correction_kl``, which TRL 1.16 turns on by default; off here, as before this setting existed)."""
+    loss_type: str = "grpo"
+    """The policy loss: ``grpo``, ``dapo``, ``dr_grpo``, ``bnpo`` (the clipped surrogate with each paper's
+    aggregation), ``luspo``, ``cispo``, ``sapo``, ``gmpo``, ``vespo``, or a function's import path
+    ``package.module:function`` (``grpo_lightning.losses.registry`` has the contract)."""
+    aggregation: Aggregation | None = None
+    """How per-token losses become the loss (``grpo_lightning.losses.aggregation``); null: the loss's own. A loss
+    whose paper fixes it (grpo, dapo, dr_grpo, bnpo, luspo, gmpo) refuses another."""
+    epsilon_low: float | None = None
+    """Clip range below (ρ ≥ 1 − ε_low); null: the loss's default (0.2 for the clipped ones; see the README)."""
     epsilon_high: float | None = None
-    """Upper clip range (DAPO clip-higher); defaults to epsilon_low."""
+    """Clip range above (DAPO clip-higher); null: the loss's default (epsilon_low for the clipped ones)."""
     delta: float | None = None
     """Upper cap on the ratio before the min (two-sided clipping, INTELLECT-2)."""
-    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = "grpo"
-    importance_sampling_level: Literal["token", "sequence"] = "token"
+    clip_ratio_c: float | None = None
+    """Dual clip: for A < 0 the clipped loss is bounded by c·|A| (verl's ``clip_ratio_c``, 3.0 there)."""
+    importance_sampling_level: Literal["token", "sequence"] | None = None
+    """``token`` ratio, or ``sequence``: GSPO's length-normalised s_i; null: the loss's default (token)."""
+    loss_kwargs: dict[str, Any] | None = None
+    """The loss's own settings, e.g. ``{tau_pos: 1.0, tau_neg: 1.05}`` for sapo; unknown keys are refused."""
+    off_policy_mask: float | None = None
+    """δ of DeepSeek-V3.2's off-policy sequence mask: a completion with A < 0 whose mean log π_sampler − log π_θ
+    exceeds δ leaves the policy loss (TRL suggests 0.5); null: off."""
     entropy_coef: float = 0.0
     tis_cap: float | None = 2.0
     """C of the truncated importance-sampling correction, used when the engine that sampled is not the trainer
@@ -103,16 +127,62 @@ class ObjectiveConfig:
             raise ConfigError(f"model.objective.tis_cap must be > 0, or null for no correction (got {self.tis_cap})")
         if self.beta < 0:
             raise ConfigError(f"model.objective.beta must be >= 0 (got {self.beta})")
-        if not 0 <= self.epsilon_low < 1:
-            raise ConfigError(f"model.objective.epsilon_low must be in [0, 1) (got {self.epsilon_low})")
-        if self.epsilon_high is not None and self.epsilon_high < 0:
-            raise ConfigError(f"model.objective.epsilon_high must be >= 0 (got {self.epsilon_high})")
+        for name in ("epsilon_low", "epsilon_high"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigError(f"model.objective.{name} must be >= 0 (got {value})")
         if self.tis_mode not in ("truncate", "mask"):
             raise ConfigError(f"model.objective.tis_mode must be truncate or mask (got {self.tis_mode!r})")
         if self.tis_mode == "mask" and self.tis_cap is not None and self.tis_cap <= 1:
             raise ConfigError(f"model.objective.tis_cap must be > 1 with tis_mode: mask (got {self.tis_cap})")
         if self.delta is not None and self.delta <= 1:
             raise ConfigError(f"model.objective.delta must be > 1 (got {self.delta}); it caps the ratio from above")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
+            raise ConfigError(f"model.objective.clip_ratio_c must be > 1 (got {self.clip_ratio_c}); verl uses 3.0")
+        if self.off_policy_mask is not None and self.off_policy_mask < 0:
+            raise ConfigError(f"model.objective.off_policy_mask must be >= 0 (got {self.off_policy_mask})")
+        if self.loss_kwargs is not None and not isinstance(self.loss_kwargs, dict):
+            raise ConfigError(f"model.objective.loss_kwargs must be a mapping (got {self.loss_kwargs!r})")
+        policy = self.policy_loss  # imports a user's function now: before any model loads
+        if policy.corrects_sampler and self.tis_level != "token":
+            raise ConfigError(
+                f"model.objective.tis_level must be token with loss_type {self.loss_type} (it folds each token's "
+                "sampler weight into its sequence weight)"
+            )
+
+    @property
+    def generic_settings(self) -> dict[str, Any]:
+        """The settings any loss may read by name (``grpo_lightning.losses.GENERIC_SETTINGS``)."""
+        return {name: getattr(self, name) for name in GENERIC_SETTINGS}
+
+    @property
+    def policy_loss(self) -> PolicyLoss:
+        """The ``PolicyLoss`` of ``loss_type``, checked against the settings (``ConfigError`` in one line)."""
+        try:
+            return check_policy_loss(self.loss_type, self.generic_settings, self.loss_kwargs, self.aggregation)
+        except ValueError as err:
+            raise ConfigError(f"model.objective: {err}") from None
+
+    @property
+    def aggregation_in_use(self) -> str:
+        """``aggregation``, or the loss's own when unset."""
+        return self.aggregation or self.policy_loss.aggregation
+
+    def resolved(self) -> dict[str, Any]:
+        """The settings in use: the unset generic ones and the aggregation filled in with the loss's defaults (so
+        that a config leaving ``epsilon_low`` unset compares equal to one that wrote the default out)."""
+        values = asdict(self)
+        parameters = self.policy_loss.parameters
+        for name in GENERIC_SETTINGS:
+            default = parameters[name].default if name in parameters else None
+            if values[name] is None and default is not inspect.Parameter.empty:
+                values[name] = default
+        values["aggregation"] = self.aggregation_in_use
+        return values
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Settings pickled in a checkpoint written before a field existed get its default.
+        self.__dict__.update({**{f.name: f.default for f in fields(self)}, **state})
 
 
 @dataclass

@@ -22,7 +22,7 @@ from grpo_lightning.config import ConfigError, ObjectiveConfig
 from grpo_lightning.evaluation import HeldOutMetrics
 from grpo_lightning.guard import NonFiniteGuard, nonfinite_inputs, nonfinite_terms
 from grpo_lightning.lora import LoraConfig, is_peft_model
-from grpo_lightning.loss import grpo_loss
+from grpo_lightning.losses import TOKEN_SUMS, grpo_loss
 from grpo_lightning.models.build import load_tokenizer
 from grpo_lightning.models.logprobs import DEFAULT_LOGPROB_CHUNK, completion_logprobs
 from grpo_lightning.models.policy import attached_trainer, build_policy, context_length, sampling_context
@@ -37,11 +37,17 @@ from grpo_lightning.validation import check_checkpoint_fits, check_ranges
 torch.serialization.add_safe_globals([TinyModelConfig, ObjectiveConfig, LoraConfig])
 
 _LOSS_OPTIONS = (
+    "loss_type",
+    "aggregation",
     "epsilon_low",
     "epsilon_high",
     "delta",
-    "kl_estimator",
+    "clip_ratio_c",
     "importance_sampling_level",
+    "loss_kwargs",
+    "kl_estimator",
+    "kl_importance_weighted",
+    "off_policy_mask",
     "tis_cap",
     "tis_level",
     "tis_mode",
@@ -232,7 +238,6 @@ class GRPOModule(LightningModule):
             batch.get("ref_logprobs"),
             batch["advantages"],
             batch["loss_mask"],
-            loss_type=objective.loss_type,
             max_completion_length=batch["max_completion_length"],
             num_items=batch["num_items"],
             beta=self.beta if self.has_reference else 0.0,
@@ -258,7 +263,7 @@ class GRPOModule(LightningModule):
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         if "rollout_metrics" in batch:  # the round's first micro-batch
             self._log_rollout_metrics(batch["rollout_metrics"])
-        if objective.loss_type == "dapo":
+        if objective.aggregation_in_use in TOKEN_SUMS:
             # num_items already counts the tokens of the whole mini-batch on every rank; undo the averaging
             # that gradient accumulation and DDP apply on top, so the step sees sum(token losses) / num_items.
             loss = loss * self.trainer.accumulate_grad_batches * self.trainer.world_size

@@ -323,7 +323,13 @@ def _settings(key: str, value: Any) -> Any:
 
     # Defaults filled in: a setting left out (or added to the class since the checkpoint) is not a change.
     if key == "objective" and value is not None:
-        value = _normalised(ObjectiveConfig, value)
+        plain = _plain(value)
+        if isinstance(plain, dict):
+            known = {f.name for f in fields(ObjectiveConfig)}
+            try:
+                return ObjectiveConfig(**{k: v for k, v in plain.items() if k in known}).resolved()
+            except Exception:  # a value the settings class refuses: compare as given (it differs, or fails elsewhere)
+                return plain
     return _plain(value)
 
 

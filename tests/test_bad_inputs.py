@@ -51,6 +51,7 @@ REWARD_MODULES = {
     "bad_text.py": "def text(prompts, completions, **kw):\n    return ['yes'] * len(completions)\n",
     "bad_raise.py": "def boom(prompts, completions, **kw):\n    raise KeyError('no score for this one')\n",
     "bad_slow.py": "import time\n\ndef slow(prompts, completions, **kw):\n    time.sleep(30)\n",
+    "bad_loss.py": "def two_positionals(inputs, settings):\n    return inputs.logprobs, {}\n",
 }
 
 
@@ -161,6 +162,19 @@ CATALOGUE = {
     "no_answer_column": (files([{"prompt": "1+1="}]), "needs the column 'answer'"),
     "empty_prompt_row": (files([{"prompt": "1+1=", "answer": "2"}, {"prompt": " ", "answer": "0"}]), "row 1"),
     "empty_validation_data": (setting("data.val_limit", 0), "validation data"),
+    "unknown_loss_type": (setting("model.objective.loss_type", "bogus"), "model.objective: unknown loss_type 'bogus'"),
+    "loss_with_a_wrong_signature": (
+        setting("model.objective.loss_type", "bad_loss:two_positionals"),
+        "parameter 'settings' after inputs must be a keyword setting",
+    ),
+    "loss_kwargs_typo": (
+        setting("model.objective", {"loss_type": "sapo", "loss_kwargs": {"tau": 1.0}}),
+        "loss_kwargs.tau is not a setting of loss_type 'sapo' (its settings: tau_pos, tau_neg",
+    ),
+    "aggregation_against_the_paper": (
+        setting("model.objective", {"loss_type": "gmpo", "aggregation": "token_mean"}),
+        "aggregation 'token_mean' contradicts loss_type 'gmpo'",
+    ),
     "unknown_reward": (reward("no_such_reward"), "no_such_reward"),
     "unimportable_reward": (reward("no_such_package.score"), "no_such_package.score"),
     "reward_wrong_count": (reward("bad_short.short"), "bad_short.short"),
@@ -262,7 +276,7 @@ def test_bad_input_is_refused_before_training_in_one_line(workdir, capsys, monke
     assert len(lines) == 1 and CATALOGUE[name][1] in lines[0], err[-2000:]
 
 
-@pytest.mark.parametrize("name", ["unknown_key", "reward_raises", "devices_0"])
+@pytest.mark.parametrize("name", ["unknown_key", "reward_raises", "devices_0", "loss_with_a_wrong_signature"])
 def test_the_real_cli_refuses_bad_input_in_one_line(workdir, name):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(workdir)]), "WANDB_MODE": "offline"}
     run = subprocess.run(

@@ -289,7 +289,7 @@ def one_step_update(tmp_path, loss_type: str, micro: int) -> tuple[torch.Tensor,
     return after - before, data.last_rollout
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "luspo", "cispo", "vespo"])
 def test_update_with_truncated_rows_does_not_depend_on_the_micro_batch_size(tmp_path, loss_type):
     """Rows emptied by mask_truncated_completions count as 0 in the mean over the mini-batch's completions, so
     one forward of 16 rows and 16/micro accumulated micro-batches make the same optimizer step."""

@@ -250,7 +250,7 @@ def test_reference_sync_moves_reference_towards_policy(tmp_path):
     assert module.reference_moved  # so checkpoints now keep the reference
 
 
-@pytest.mark.parametrize("recipe", ["grpo", "dapo", "dr_grpo", "gspo"])
+@pytest.mark.parametrize("recipe", ["grpo", "dapo", "dr_grpo", "gspo", "cispo", "sapo", "gmpo"])
 def test_recipe_configs_compose_with_the_quickstart(recipe, monkeypatch):
     monkeypatch.chdir(ROOT)
     cli = GRPOCLI(
@@ -266,11 +266,15 @@ def test_recipe_configs_compose_with_the_quickstart(recipe, monkeypatch):
         ],
         run=False,
     )
-    assert (
-        cli.model.objective.loss_type == {"grpo": "grpo", "dapo": "dapo", "dr_grpo": "dr_grpo", "gspo": "grpo"}[recipe]
-    )
+    assert cli.model.objective.loss_type == {"gspo": "grpo"}.get(recipe, recipe)
     if recipe == "gspo":
         assert cli.model.objective.importance_sampling_level == "sequence"
+    if recipe == "cispo":  # the paper's no lower bound, ScaleRL's cap of 5 on the weight
+        assert (cli.model.objective.epsilon_low, cli.model.objective.epsilon_high) == (1.0, 4.0)
+    if recipe == "sapo":
+        assert cli.model.objective.loss_kwargs == {"tau_pos": 1.0, "tau_neg": 1.05}
+    if recipe == "gmpo":  # log space: ratios within (e^-0.4, e^0.4)
+        assert cli.model.objective.resolved()["epsilon_low"] == 0.4
     if recipe == "dapo":
         assert cli.datamodule.dynamic_sampling and cli.model.objective.epsilon_high == 0.28
         assert cli.datamodule.mask_truncated_completions  # DAPO's overlong filtering (see the test above)

@@ -14,7 +14,7 @@ import time
 
 from grpo_lightning.cli import GRPOCLI
 
-RECIPES = ("grpo", "dapo", "dr_grpo", "gspo")
+RECIPES = ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "sapo", "gmpo")
 
 
 def run(recipe: str, rounds: int, extra: list[str]) -> tuple[float, float, float]:

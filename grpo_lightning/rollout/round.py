@@ -15,10 +15,10 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor
 
+from grpo_lightning.advantages import group_advantages, process_advantages
 from grpo_lightning.config import AdvantageConfig, ConfigError, SamplingConfig
 from grpo_lightning.engines.base import RolloutEngine
 from grpo_lightning.environments.base import Environment
-from grpo_lightning.loss import group_advantages, process_advantages
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.rollout.prompts import PromptEncoder

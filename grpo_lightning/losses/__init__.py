@@ -1,0 +1,43 @@
+"""Policy losses after GRPO, each a pure tensor function readable against its paper, behind a registry.
+
+Rooms: ``inputs`` (what a loss reads, the ratios), ``registry`` (name or import path → loss), one file per family
+(``clipped``: grpo, dapo, dr_grpo, bnpo, luspo; ``cispo``; ``sapo``; ``gmpo``; ``vespo``), ``kl`` (estimators),
+``aggregation`` (how per-token losses become one number) and ``objective`` (``grpo_loss``, which assembles them
+with the sampler correction, the off-policy mask, the KL and the entropy terms). Advantages are in
+``grpo_lightning.advantages``.
+
+A user's loss: ``model.objective.loss_type: my_pkg.losses:my_loss`` with ``my_loss(inputs: LossInputs, *,
+setting=default, ...) -> (per_token_loss [B, T], metrics)``; see ``registry``.
+"""
+
+from __future__ import annotations
+
+from grpo_lightning.losses import cispo, clipped, gmpo, sapo, vespo  # noqa: F401 (registers the built-ins)
+from grpo_lightning.losses.aggregation import AGGREGATIONS, TOKEN_SUMS, aggregate
+from grpo_lightning.losses.inputs import LossInputs
+from grpo_lightning.losses.kl import KL_ESTIMATORS, kl_estimate
+from grpo_lightning.losses.objective import grpo_loss
+from grpo_lightning.losses.registry import (
+    GENERIC_SETTINGS,
+    PolicyLoss,
+    available_policy_losses,
+    check_policy_loss,
+    get_policy_loss,
+    register_policy_loss,
+)
+
+__all__ = [
+    "AGGREGATIONS",
+    "GENERIC_SETTINGS",
+    "KL_ESTIMATORS",
+    "TOKEN_SUMS",
+    "LossInputs",
+    "PolicyLoss",
+    "aggregate",
+    "available_policy_losses",
+    "check_policy_loss",
+    "get_policy_loss",
+    "grpo_loss",
+    "kl_estimate",
+    "register_policy_loss",
+]
