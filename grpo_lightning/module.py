@@ -22,7 +22,7 @@ from grpo_lightning.config import ConfigError, ObjectiveConfig
 from grpo_lightning.evaluation import HeldOutMetrics
 from grpo_lightning.guard import NonFiniteGuard, nonfinite_inputs, nonfinite_terms
 from grpo_lightning.lora import LoraConfig, is_peft_model
-from grpo_lightning.losses import TOKEN_SUMS, grpo_loss
+from grpo_lightning.losses import STEP_NORMALISED, grpo_loss
 from grpo_lightning.models.build import load_tokenizer
 from grpo_lightning.models.logprobs import DEFAULT_LOGPROB_CHUNK, completion_logprobs
 from grpo_lightning.models.policy import attached_trainer, build_policy, context_length, sampling_context
@@ -185,6 +185,7 @@ class GRPOModule(LightningModule):
             "micro_batch_size": self.hparams.logprob_batch_size,
             "chunk_size": self.hparams.logprob_chunk_size,
             "lean": self.hparams.lean_forward,
+            "pack_tokens": batch.pack_tokens,
         }
         old_logprobs = ref_logprobs = None
         if old:
@@ -231,6 +232,7 @@ class GRPOModule(LightningModule):
             # Precomputed at rollout time (RolloutBatch.tensors): the lean forward then makes no device sync.
             positions=batch["layout"].positions,
             groups=batch["layout"].groups,
+            pack_tokens=batch.get("pack_tokens"),
         )
         loss, metrics = grpo_loss(
             logprobs,
@@ -240,6 +242,7 @@ class GRPOModule(LightningModule):
             batch["loss_mask"],
             max_completion_length=batch["max_completion_length"],
             num_items=batch["num_items"],
+            num_rows=batch.get("num_rows"),
             beta=self.beta if self.has_reference else 0.0,
             entropy=entropy.detach() if entropy is not None and objective.entropy_coef == 0 else entropy,
             entropy_coef=objective.entropy_coef,
@@ -258,15 +261,19 @@ class GRPOModule(LightningModule):
                 ["loss"],
             ),
         )
+        aggregation = objective.aggregation_in_use
+        if aggregation in STEP_NORMALISED and (aggregation == "token_mean" or batch.get("num_rows") is not None):
+            # The loss is divided by the whole mini-batch's rows or tokens on every rank (num_rows, num_items):
+            # undo the averaging that gradient accumulation and DDP apply on top, so that the step sees
+            # sum(losses) / (its rows or tokens) however its rows were grouped. Logged the same way: each
+            # micro-batch's estimate of the step's loss.
+            scale = self.trainer.accumulate_grad_batches * self.trainer.world_size
+            loss, metrics["pg_loss"] = loss * scale, metrics["pg_loss"] * scale
         self.log("train/loss", loss.detach(), prog_bar=False)
         self.log_dict({f"train/{name}": value for name, value in metrics.items()})
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         if "rollout_metrics" in batch:  # the round's first micro-batch
             self._log_rollout_metrics(batch["rollout_metrics"])
-        if objective.aggregation_in_use in TOKEN_SUMS:
-            # num_items already counts the tokens of the whole mini-batch on every rank; undo the averaging
-            # that gradient accumulation and DDP apply on top, so the step sees sum(token losses) / num_items.
-            loss = loss * self.trainer.accumulate_grad_batches * self.trainer.world_size
         return loss
 
     def _log_rollout_metrics(self, rollout_metrics: dict[str, float]) -> None:

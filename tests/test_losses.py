@@ -376,3 +376,22 @@ def test_objective_settings_saved_before_these_fields_existed_load_with_their_de
     )
     assert check_checkpoint_hparams({"objective": loaded}, {"objective": ObjectiveConfig()}, "'x'") == []
     assert check_checkpoint_hparams({"objective": loaded}, {"objective": ObjectiveConfig(loss_type="dapo")}, "'x'")
+
+
+@pytest.mark.parametrize("loss_type, aggregation", [c for c in combinations() if c[1] != "micro_batch_token_mean"])
+def test_given_the_steps_rows_and_tokens_any_grouping_of_rows_gives_the_same_step(loss_type, aggregation):
+    """Balanced micro-batches hold unequal row counts: with ``num_rows`` and ``num_items`` (the step's) the summed
+    micro-batch losses (what the trainer's rescaling makes of them) are the step's loss, for any grouping."""
+    logp, old, ref, engine, adv, mask = rollout()
+    settings = dict(loss_type=loss_type, aggregation=aggregation, beta=0.05, num_items=int(mask.sum()), num_rows=6,
+                    max_completion_length=4)  # fmt: skip
+    grads = []
+    for grouping in ([[0, 1, 2, 3, 4, 5]], [[0, 1, 2, 3], [4], [5]], [[5, 1], [0, 2, 3, 4]]):
+        leaf = logp.clone().requires_grad_(True)
+        groups = [torch.tensor(g) for g in grouping]
+        step = sum(grpo_loss(leaf[g], old[g], ref[g], adv[g], mask[g], **settings)[0] for g in groups)
+        step.backward()
+        grads.append(leaf.grad)
+    assert grads[0].abs().sum() > 0
+    for grad in grads[1:]:
+        close(grad, grads[0], atol=1e-12)

@@ -52,7 +52,7 @@ def main() -> None:
     print(f"\n| recipe | held-out accuracy before | after {args.rounds} rounds | fit seconds |")
     print("|---|---|---|---|")
     for recipe, before, after, seconds in rows:
-        print(f"| {recipe} | {100 * before:.1f}% | {100 * after:.1f}% | {seconds:.0f} |")
+        print(f"| {recipe} | {100 * before:.1f}% | {100 * after:.1f}% | {seconds:.1f} |")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     pip install -e ".[bench]"          # TRL, pinned (an optional extra, not a runtime dependency)
     python tools/bench_trl.py          # settings A and B, 3 runs each, the frameworks alternated
+    python tools/bench_trl.py --settings U --runs 1   # uneven completions: packing (ours packed and padded)
     python tools/bench_trl.py --settings A --runs 5
     python tools/bench_trl.py --device cuda           # on a GPU (same settings, float32); memory = peak GPU memory
     git worktree add ../base d9ba92b && python tools/bench_trl.py --baseline ../base   # this code vs another
@@ -58,13 +59,42 @@ class Settings:
     beta: float
     warmup_steps: int
     measured_steps: int
+    uneven: tuple[int, int] | None = None
+    """Completions replayed instead of sampled, their lengths spread evenly over this range (both sides alike):
+    the update's cost with uneven lengths, which packing removes the padding of (``replay_completions``)."""
 
 
 SETTINGS = {
     "A": Settings(128, 4, 4, 256, 8, 8, 16, 6, 1, 0.04, warmup_steps=10, measured_steps=30),
     # μ = 2: a round is two optimizer steps, so warm-up and measured windows are whole rounds.
     "B": Settings(512, 8, 8, 1408, 4, 8, 64, 32, 2, 0.04, warmup_steps=4, measured_steps=12),
+    # B's model, 16 completions of 16 to 512 tokens (uneven: padded rows are 52% padding), no sampling.
+    "U": Settings(512, 8, 8, 1408, 2, 8, 512, 32, 2, 0.04, warmup_steps=2, measured_steps=4, uneven=(16, 512)),
 }
+
+
+def replay_completions(settings: Settings, call: int, eos_id: int, pad_id: int, token_ids: list[int]):
+    """``(completion_ids [N, T], lengths)`` of the ``call``-th generation of an ``uneven`` setting: N = prompts × G
+    completions of lengths spread evenly over the range (each ending with EOS), shuffled by the call number, their
+    tokens drawn from ``token_ids``; the same on both sides."""
+    import torch
+
+    rows = settings.prompts * settings.group_size
+    low, high = settings.uneven
+    lengths = [round(low + (high - low) * i / max(rows - 1, 1)) for i in range(rows)]
+    random.Random(SEED + call).shuffle(lengths)
+    g = torch.Generator().manual_seed(SEED + call)
+    choices = torch.tensor(token_ids)
+    ids = choices[torch.randint(len(token_ids), (rows, high), generator=g)]
+    positions = torch.arange(high)[None]
+    length = torch.tensor(lengths)[:, None]
+    ids = torch.where(positions == length - 1, eos_id, torch.where(positions < length, ids, pad_id))
+    return ids, lengths
+
+
+def digit_ids(tokenizer: Any) -> list[int]:
+    """The digits' token ids: what a replayed completion is made of."""
+    return [tokenizer.convert_tokens_to_ids(c) for c in "0123456789"]
 
 
 def digit_fraction(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
@@ -94,7 +124,8 @@ def build_assets(settings: Settings, folder: Path) -> None:
         num_hidden_layers=settings.layers,
         num_attention_heads=settings.heads,
         num_key_value_heads=settings.heads,
-        max_position_embeddings=512,  # room for the scaling benchmark's 256-token completions
+        # room for the scaling benchmark's 256-token completions, and for U's 512
+        max_position_embeddings=max(512, settings.prompt_len + settings.new_tokens),
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
@@ -147,6 +178,37 @@ def peak_gpu_mb() -> float:
     return torch.cuda.max_memory_allocated() / 2**20
 
 
+def replay_engine(settings: Settings) -> Any:
+    """Our ``RolloutEngine`` that returns ``replay_completions`` instead of sampling (settings with ``uneven``)."""
+    import torch
+
+    from grpo_lightning.engines.base import Completions, RolloutEngine
+
+    class ReplayEngine(RolloutEngine):
+        name = "replay"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def setup(self, policy: Any, tokenizer: Any) -> None:
+            super().setup(policy, tokenizer)
+            self.tokens = digit_ids(tokenizer)
+
+        def logprobs_match_policy(self, policy: Any) -> bool:
+            return False  # no log-probs: π_old is recomputed, as TRL computes it
+
+        def generate(self, prompt_ids, prompt_mask, params, *, generator=None, return_logprobs=False) -> Completions:
+            ids, lengths = replay_completions(settings, self.calls, self.eos_token_id, self.pad_token_id, self.tokens)
+            self.calls += 1
+            mask = (torch.arange(ids.size(1))[None] < torch.tensor(lengths)[:, None]).long()
+            group = params.group_size
+            prompts = prompt_ids.repeat_interleave(group, 0), prompt_mask.repeat_interleave(group, 0)
+            return Completions(*prompts, ids, mask, torch.zeros(ids.size(0), dtype=torch.bool))
+
+    return ReplayEngine()
+
+
 def make_ours(settings: Settings, folder: Path, callbacks: list[Any], **data_options: Any) -> tuple[Any, Any, Any]:
     """Our public API, as a user would set up a benchmark: no logger, checkpoints, progress bar or validation.
     Returns ``(GRPOModule, RolloutDataModule, Trainer)``; ``data_options``: more of ``RolloutDataModule``'s."""
@@ -170,9 +232,10 @@ def make_ours(settings: Settings, folder: Path, callbacks: list[Any], **data_opt
         sampling=SamplingConfig(
             group_size=settings.group_size,
             max_new_tokens=settings.new_tokens,
-            min_new_tokens=settings.new_tokens,
+            min_new_tokens=0 if settings.uneven else settings.new_tokens,
             temperature=1.0,
         ),
+        **({"engine": replay_engine(settings)} if settings.uneven else {}),
         prompts_per_round=settings.prompts,
         mini_batch_size=rollout,
         num_iterations=settings.mu,
@@ -197,7 +260,7 @@ def make_ours(settings: Settings, folder: Path, callbacks: list[Any], **data_opt
     return module, data, trainer
 
 
-def run_ours(settings: Settings, folder: Path) -> dict[str, float]:
+def run_ours(settings: Settings, folder: Path, **data_options: Any) -> dict[str, float]:
     """Our side: GRPOModule + RolloutDataModule + Trainer, a callback timestamping every optimizer step."""
     import lightning as L
 
@@ -207,7 +270,7 @@ def run_ours(settings: Settings, folder: Path) -> dict[str, float]:
         def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
             stamps.append(stamp())  # one batch is one optimizer step (no gradient accumulation)
 
-    module, data, trainer = make_ours(settings, folder, [StepTimer()])
+    module, data, trainer = make_ours(settings, folder, [StepTimer()], **data_options)
     trainer.fit(module, datamodule=data)
     return summarize(stamps, settings)
 
@@ -243,7 +306,7 @@ def run_trl(settings: Settings, folder: Path) -> dict[str, float]:
             num_generations=settings.group_size,
             num_iterations=settings.mu,
             max_completion_length=settings.new_tokens,
-            generation_kwargs={"min_new_tokens": settings.new_tokens},
+            generation_kwargs={"min_new_tokens": 0 if settings.uneven else settings.new_tokens},
             temperature=1.0,
             beta=settings.beta,
             loss_type="grpo",
@@ -262,6 +325,17 @@ def run_trl(settings: Settings, folder: Path) -> dict[str, float]:
             processing_class=AutoTokenizer.from_pretrained(folder / "model"),
             callbacks=[StepTimer()],
         )
+        if settings.uneven:  # the same replayed completions as ours, in place of transformers' generate()
+            tokenizer, calls = trainer.processing_class, [0]
+
+            def replay(input_ids: Any, **_: Any) -> Any:
+                ids, _lengths = replay_completions(
+                    settings, calls[0], tokenizer.eos_token_id, tokenizer.pad_token_id, digit_ids(tokenizer)
+                )
+                calls[0] += 1
+                return torch.cat([input_ids, ids.to(input_ids.device)], dim=1)
+
+            trainer.model.generate = replay
         trainer.train()
     return summarize(stamps, settings)
 
@@ -283,7 +357,10 @@ def environment() -> str:
 
 def child(framework: str, settings: Settings, folder: Path) -> None:
     """One measured run in this process; prints its result as the last line of stdout (JSON)."""
-    result = (run_ours if framework == "ours" else run_trl)(settings, folder)
+    if framework == "padded":  # ours without packing
+        result = run_ours(settings, folder, pack_tokens=None)
+    else:
+        result = (run_ours if framework == "ours" else run_trl)(settings, folder)
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -310,7 +387,7 @@ def run_child(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--settings", nargs="+", default=["A", "B"], choices=list(SETTINGS))
     parser.add_argument("--runs", type=int, default=3, help="runs per framework and settings (median reported)")
     parser.add_argument(
         "--steps", nargs=2, type=int, metavar=("WARMUP", "MEASURED"), help="override the steps timed (all settings)"
@@ -320,7 +397,7 @@ def main() -> None:
     parser.add_argument(
         "--baseline", type=Path, help="another checkout of grpo_lightning, measured in the same rotation as ours"
     )
-    parser.add_argument("--child", choices=("ours", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=("ours", "trl", "padded"), help=argparse.SUPPRESS)
     parser.add_argument("--assets", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     global DEVICE
@@ -335,6 +412,8 @@ def main() -> None:
     if baseline and not (baseline / "tools" / "bench_trl.py").is_file():
         parser.error(f"--baseline {baseline} has no tools/bench_trl.py: make a checkout with git worktree add DIR REV")
     frameworks = ["trl", "ours"] + (["baseline"] if baseline else [])
+    if any(s.uneven for s in chosen.values()):
+        frameworks.append("padded")  # ours with data.pack_tokens: null, to show what packing does
 
     rows, loads = [], []
     for name, settings in chosen.items():
@@ -389,6 +468,10 @@ def main() -> None:
         memory = "peak_gpu_mb" if DEVICE == "cuda" else "peak_rss_mb"  # on a GPU, the memory that limits a run
         mem_ratio = med["ours"][memory] / med["trl"][memory]
         print(f"settings={name} ratio={ratio:.2f} mem_ratio={mem_ratio:.2f}")
+        if "padded" in med:
+            ours, padded = med["ours"], med["padded"]
+            print(f"settings={name} packed/padded={ours['s_per_step'] / padded['s_per_step']:.2f} ", end="")
+            print(f"mem_packed/padded={ours[memory] / padded[memory]:.2f}")
         if baseline:
             ours, base = med["ours"], med["baseline"]
             print(f"settings={name} ours/baseline={ours['s_per_step'] / base['s_per_step']:.2f} ", end="")

@@ -13,7 +13,7 @@ setting=default, ...) -> (per_token_loss [B, T], metrics)``; see ``registry``.
 from __future__ import annotations
 
 from grpo_lightning.losses import cispo, clipped, gmpo, sapo, vespo  # noqa: F401 (registers the built-ins)
-from grpo_lightning.losses.aggregation import AGGREGATIONS, TOKEN_SUMS, aggregate
+from grpo_lightning.losses.aggregation import AGGREGATIONS, STEP_NORMALISED, aggregate
 from grpo_lightning.losses.inputs import LossInputs
 from grpo_lightning.losses.kl import KL_ESTIMATORS, kl_estimate
 from grpo_lightning.losses.objective import grpo_loss
@@ -30,7 +30,7 @@ __all__ = [
     "AGGREGATIONS",
     "GENERIC_SETTINGS",
     "KL_ESTIMATORS",
-    "TOKEN_SUMS",
+    "STEP_NORMALISED",
     "LossInputs",
     "PolicyLoss",
     "aggregate",

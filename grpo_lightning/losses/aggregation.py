@@ -11,12 +11,13 @@
 ==========================  ===============================================  ===================================
 
 An empty row (every token masked, e.g. a truncated completion under ``mask_truncated_completions``) counts as 0
-with the row-based ones: dividing by the rows of the call, not by the non-empty ones, keeps a step's gradient
-independent of how its rows are cut into micro-batches (which the trainer averages) and ranks (which DDP averages).
-``token_mean`` reaches the same invariance through ``num_items``, the token count of the whole optimizer step (all
-micro-batches, all ranks): the trainer then multiplies the loss back by the number of micro-batches and ranks
-(``TOKEN_SUMS``). ``micro_batch_token_mean`` normalises by the tokens of each call, so by definition its step
-depends on the micro-batch size (a micro-batch of the whole mini-batch makes it ``token_mean``).
+with the row-based ones. Given the step's totals, ``num_rows`` (B of the whole optimizer step: all micro-batches,
+all ranks) and ``num_items`` (its loss tokens), every aggregation but ``micro_batch_token_mean`` divides by a
+number of the step, not of the call: the trainer then multiplies each micro-batch's loss back by the number of
+micro-batches and ranks (``STEP_NORMALISED``), and a step's gradient is the same however its rows are grouped
+into micro-batches (equal row counts or balanced token counts) and ranks. Without them (a single call), B is the
+rows of the call. ``micro_batch_token_mean`` normalises by the tokens of each call, so by definition its step
+depends on the grouping (one micro-batch of the whole mini-batch makes it ``token_mean``).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from torch import Tensor
 from grpo_lightning.losses.inputs import masked_sum
 
 AGGREGATIONS = ("sequence_mean", "token_mean", "micro_batch_token_mean", "constant", "sequence_sum")
-TOKEN_SUMS = ("token_mean",)
-"""Aggregations whose normaliser already spans the optimizer step (``num_items``): the trainer undoes the averaging
-over micro-batches and ranks for them."""
+STEP_NORMALISED = ("sequence_mean", "token_mean", "constant", "sequence_sum")
+"""Aggregations whose normaliser spans the optimizer step (given ``num_rows`` / ``num_items``): the trainer undoes
+the averaging over micro-batches and ranks for them."""
 
 
 def aggregate(
@@ -38,6 +39,7 @@ def aggregate(
     aggregation: str,
     *,
     num_items: int | float | Tensor | None = None,
+    num_rows: int | float | Tensor | None = None,
     max_completion_length: int | None = None,
 ) -> Tensor:
     """One scalar from ``[B, T]`` per-token losses (see the module's table).
@@ -48,11 +50,14 @@ def aggregate(
         aggregation: one of ``AGGREGATIONS``.
         num_items: ``token_mean``'s denominator, the token count of the whole optimizer step; defaults to the
             tokens of this call.
+        num_rows: B of the row-based aggregations, the rows of the whole optimizer step; defaults to the rows of
+            this call.
         max_completion_length: ``constant``'s normaliser (required there).
     """
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
-    rows = max(mask.shape[0], 1)
+    rows = mask.shape[0] if num_rows is None else torch.as_tensor(num_rows, device=per_token.device)
+    rows = rows.to(per_token.dtype).clamp(min=1) if isinstance(rows, Tensor) else max(rows, 1)
     if aggregation == "sequence_mean":
         return (masked_sum(per_token, mask, dim=1) / mask.sum(dim=1).clamp(min=1)).sum() / rows
     if aggregation == "sequence_sum":

@@ -50,6 +50,7 @@ def grpo_loss(
     off_policy_mask: float | None = None,
     max_completion_length: int | None = None,
     num_items: int | float | Tensor | None = None,
+    num_rows: int | float | Tensor | None = None,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
     engine_logprobs: Tensor | None = None,
@@ -78,6 +79,8 @@ def grpo_loss(
         max_completion_length: the ``constant`` aggregation's normaliser (Dr. GRPO; required there).
         num_items: the ``token_mean`` denominator, the token count of the whole optimizer step; defaults to the
             tokens in this call.
+        num_rows: the row-based aggregations' B, the rows of the whole optimizer step; defaults to the rows in
+            this call (``aggregation.py``).
         entropy: optional ``[B, T]`` per-token entropy; logged, and subtracted times ``entropy_coef``.
         entropy_coef: entropy bonus coefficient.
         engine_logprobs: ``[B, T]`` the sampling engine's own log-probs when it is not the trainer (vLLM, or an
@@ -149,7 +152,7 @@ def grpo_loss(
     if entropy is not None and entropy_coef != 0:
         per_token = per_token - entropy_coef * entropy
 
-    settings = {"num_items": num_items, "max_completion_length": max_completion_length}
+    settings = {"num_items": num_items, "num_rows": num_rows, "max_completion_length": max_completion_length}
     loss = aggregate(per_token, mask, aggregation, **settings)
 
     with torch.no_grad():

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from grpo_lightning.models.swiglu import swiglu_down
+
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # a torch build without distributed support has no shards
@@ -113,6 +115,7 @@ class LayerWeights(NamedTuple):
     act: Callable[[Tensor], Tensor]
     head_dim: int
     scaling: float
+    silu: bool = False  # ``act`` is SiLU: the block runs as ``swiglu_down`` (half the saved activations)
 
 
 def norm_weights(module: nn.Module) -> Norm:
@@ -146,6 +149,7 @@ def decoder_weights(model: nn.Module, pack: Callable[[Tensor], Tensor | None] | 
                 act=mlp.act_fn,
                 head_dim=attn.head_dim,
                 scaling=attn.scaling,
+                silu=type(mlp.act_fn).__name__ in ("SiLU", "SiLUActivation"),
             )
         )
     return layers
@@ -195,6 +199,8 @@ def _attention(
 
 
 def _mlp(w: LayerWeights, h: Tensor) -> Tensor:
+    if w.silu and w.down.packed is None:
+        return swiglu_down(linear(h, w.gate), linear(h, w.up), w.down.weight, w.down.bias)
     return linear(w.act(linear(h, w.gate)) * linear(h, w.up), w.down)
 
 

@@ -50,6 +50,7 @@ class RolloutBatch:
     # and the length limit (Dr. GRPO's constant normaliser).
     temperature: float = 1.0
     max_new_tokens: int = 0
+    pack_tokens: int | str | None = None  # ``data.pack_tokens``: packed or padded log-prob passes
 
     def __len__(self) -> int:
         return self.completion_ids.size(0)
@@ -132,6 +133,7 @@ class RolloutBatch:
             "layout": logprob_layout(prompt_ids, prompt_mask, mask[:, :keep]),
             "temperature": self.temperature,
             "max_completion_length": self.max_new_tokens,
+            "pack_tokens": self.pack_tokens,
         }
         if self.old_logprobs is not None:
             batch["old_logprobs"] = self.old_logprobs[rows, :keep]
@@ -149,12 +151,18 @@ class RolloutBatch:
         num_iterations: int,
         generator: torch.Generator,
         sum_across_ranks: Callable[[Tensor], Tensor] | None = None,
+        balance_tokens: bool = False,
     ) -> list[dict[str, Any]]:
         """μ shuffled passes over the rollout, cut into mini-batches (one optimizer step each) of micro-batches.
 
-        Each micro-batch carries ``num_items``: the loss tokens of its whole mini-batch, summed over ranks by
-        ``sum_across_ranks`` under data parallelism, so a token-level loss (``dapo``) is the same whatever the
-        micro-batch size or the number of ranks.
+        A mini-batch makes ``mini_batch_size / micro_batch_size`` micro-batches (the trainer's fixed gradient
+        accumulation): of equal row counts, or with ``balance_tokens`` of equal completion-token counts (rows
+        assigned longest first to the micro-batch with the fewest tokens, ``balanced_split``), so that a step's
+        peak memory does not depend on where its long completions fell.
+
+        Each micro-batch carries ``num_items`` and ``num_rows``: the loss tokens and the rows of its whole
+        mini-batch, summed over ranks by ``sum_across_ranks`` under data parallelism, so that every aggregation but
+        ``micro_batch_token_mean`` makes the same step whatever the micro-batches hold or the number of ranks.
         """
         n = len(self)
         loss_mask = self.completion_mask if self.loss_mask is None else self.loss_mask
@@ -164,15 +172,32 @@ class RolloutBatch:
             for start in range(0, n, mini_batch_size)
         ]
         tokens = torch.stack([loss_mask[mini.to(loss_mask.device)].sum() for mini in minis]).float()
+        counts = torch.tensor([float(len(mini)) for mini in minis], device=tokens.device)
+        totals = torch.stack([tokens, counts])
         if sum_across_ranks is not None:
-            tokens = sum_across_ranks(tokens)
+            totals = sum_across_ranks(totals)
+        lengths = self.completion_mask.sum(1).cpu() if balance_tokens else None
         out = []
-        for mini, num_items in zip(minis, tokens.cpu()):
-            for start in range(0, len(mini), micro_batch_size):
-                batch = self.tensors(mini[start : start + micro_batch_size].to(loss_mask.device))
-                batch["num_items"] = num_items
+        for mini, num_items, num_rows in zip(minis, *totals.cpu()):
+            parts = max(len(mini) // micro_batch_size, 1)
+            for rows in balanced_split(mini, parts, lengths) if lengths is not None else mini.split(micro_batch_size):
+                batch = self.tensors(rows.to(loss_mask.device))
+                batch["num_items"], batch["num_rows"] = num_items, num_rows
                 out.append(batch)
         return out
+
+
+def balanced_split(rows: Tensor, parts: int, lengths: Tensor) -> list[Tensor]:
+    """``rows`` in ``parts`` groups of near-equal total ``lengths[row]``: longest first, each to the group with the
+    fewest tokens (then the fewest rows, then the first); every group keeps ``rows``' order. Deterministic."""
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    load = [(0, 0, g) for g in range(parts)]  # (tokens, rows, group)
+    order = sorted(range(len(rows)), key=lambda i: (-int(lengths[rows[i]]), i))
+    for i in order:
+        tokens, count, g = min(load)
+        groups[g].append(i)
+        load[g] = (tokens + int(lengths[rows[i]]), count + 1, g)
+    return [rows[sorted(group)] for group in groups if group]
 
 
 _PER_ROW_COLUMNS = ("reward_columns", "turn_stats")  # dicts of one value per row

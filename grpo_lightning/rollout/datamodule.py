@@ -70,6 +70,8 @@ class RolloutDataModule(LightningDataModule):
         mini_batch_size: int | None = None,
         micro_batch_size: int | None = None,
         num_iterations: int = 1,
+        pack_tokens: int | Literal["auto"] | None = "auto",
+        balance_micro_batches: bool = True,
         old_logprobs: Literal["auto", "sampler", "recompute"] = "auto",
         mask_truncated_completions: bool = False,
         dynamic_sampling: bool = False,
@@ -111,6 +113,12 @@ class RolloutDataModule(LightningDataModule):
             micro_batch_size: completions per forward/backward; ``mini / micro`` must equal
                 ``trainer.accumulate_grad_batches``.
             num_iterations: μ, optimisation passes over each rollout (DeepSeekMath Alg. 1).
+            pack_tokens: padding-free log-prob passes (``models/packing.py``): each micro-batch's sequences laid end
+                to end in bins of this many tokens; ``auto``: bins as long as its longest sequence, when they spare
+                a quarter of the padded tokens or more; null: padded rows.
+            balance_micro_batches: the micro-batches of a step hold equal shares of its completion tokens (rows
+                assigned longest first), not equal row counts: peak memory stays flat when lengths vary. Their
+                number stays ``mini / micro`` (the trainer's gradient accumulation); the step is the same either way.
             old_logprobs: where π_old's log-probs come from when a round has several optimizer steps:
                 ``sampler`` (the engine's, no extra pass), ``recompute`` (a forward pass over the rollout), ``auto``
                 (the engine's where they equal the trainer's: the policy's own weights in float32; an engine
@@ -167,6 +175,9 @@ class RolloutDataModule(LightningDataModule):
             if rollout_lag
             else None
         )
+        if pack_tokens != "auto" and pack_tokens is not None and (type(pack_tokens) is not int or pack_tokens < 1):
+            raise ConfigError(f"data.pack_tokens must be a number of tokens >= 1, auto or null (got {pack_tokens!r})")
+        self.pack_tokens, self.balance_micro_batches = pack_tokens, balance_micro_batches
         self.prompts_per_round, self.num_iterations = prompts_per_round, num_iterations
         self.mini_batch_size, self.micro_batch_size = mini_batch_size, micro_batch_size
         self.old_logprobs, self.mask_truncated_completions = old_logprobs, mask_truncated_completions
@@ -276,6 +287,7 @@ class RolloutDataModule(LightningDataModule):
             environment=self.environment,
             reference=module.has_reference,
             rollout_lag=self.rollout_lag,
+            pack_tokens=self.pack_tokens,
             correction=self.off_policy_correction,
         )
 
@@ -322,6 +334,7 @@ class RolloutDataModule(LightningDataModule):
             num_iterations=self.num_iterations,
             generator=torch.Generator().manual_seed(self.seed + self.position),
             sum_across_ranks=(lambda t: gather(t).sum(0)) if gather is not None else None,
+            balance_tokens=self.balance_micro_batches,
         )
         batches[0]["rollout_metrics"] = rollout.metrics  # logged once per round by the module
         return batches

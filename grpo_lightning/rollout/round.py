@@ -55,6 +55,8 @@ class RoundSettings:
     """Whether there is a reference model (β > 0): π_ref's log-probs for the KL term."""
     rollout_lag: int = 0
     """L: the rollout trained on was sampled by the policy of L rounds before (``rollout/schedule.py``)."""
+    pack_tokens: int | str | None = "auto"
+    """``data.pack_tokens``: how the log-prob passes over this rollout pack its sequences (``models/packing.py``)."""
     correction: Literal["decoupled", "behaviour", "none"] = "decoupled"
     """At a lag: ``decoupled`` (ratio to π_prox, the policy at the update's start, times the behaviour weight
     π_prox / μ, truncated or masked), ``behaviour`` (ratio to μ directly) or ``none`` (ratio to π_prox only)."""
@@ -206,6 +208,7 @@ def finish_round(
                 "its filtered sampling distribution); use auto or recompute"
             )
         from_engine = False  # auto: recomputed
+    batch.pack_tokens = settings.pack_tokens  # for these passes and the update's
     old, ref = logprobs(batch, old=record_old and not from_engine, ref=settings.reference)
     batch.old_logprobs = (sampler_old if from_engine else old) if record_old else None
     batch.ref_logprobs = ref
