@@ -46,6 +46,7 @@ def group_advantages(
     eps: float = 1e-4,
     batch_std: Tensor | None = None,
     std: str = "population",
+    scorable: Tensor | None = None,
 ) -> Tensor:
     """Outcome-reward advantages, one per completion.
 
@@ -58,6 +59,9 @@ def group_advantages(
         batch_std: with ``scale="batch"``, a std computed by the caller (e.g. across ranks) that replaces
             the local one.
         std: ``"population"`` (divide the variance by the count) or ``"sample"`` (by the count - 1).
+        scorable: ``[N]`` bool, False where no reward applied (every reward function returned None): such a
+            completion is left out of its group's mean, std and RLOO baseline, and gets advantage 0 (as TRL does);
+            None: all are.
 
     Returns:
         ``[N]`` advantages; every group whose rewards are all equal gets exactly 0.
@@ -72,6 +76,8 @@ def group_advantages(
         raise ValueError(f"batch_std is only used with scale='batch', got scale={scale!r}")
 
     r = rewards.float() if not rewards.is_floating_point() else rewards
+    if scorable is not None and not bool(scorable.all()):
+        return _masked_group_advantages(r, scorable, group_size, scale, baseline, eps, batch_std, std == "sample")
     groups = r.reshape(-1, group_size)
     mean = groups.mean(dim=1, keepdim=True)
     if baseline == "mean":
@@ -89,6 +95,35 @@ def group_advantages(
     # r_i - mean can be off by one ulp when all rewards are equal; force the documented exact zero.
     same = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
     return torch.where(same, torch.zeros_like(adv), adv).reshape(-1)
+
+
+def _masked_group_advantages(
+    r: Tensor,
+    scorable: Tensor,
+    group_size: int,
+    scale: str,
+    baseline: str,
+    eps: float,
+    batch_std: Tensor | None,
+    unbiased: bool,
+) -> Tensor:
+    """``group_advantages`` over the scorable completions of each group only; the others get 0."""
+    valid = scorable.reshape(-1, group_size).to(r.device)
+    groups = r.reshape(-1, group_size)
+    count = valid.sum(dim=1, keepdim=True)
+    mean = torch.where(valid, groups, 0.0).sum(dim=1, keepdim=True) / count.clamp(min=1)
+    adv = groups - mean
+    if baseline == "rloo":  # mean of the other scorable ones: n / (n - 1) × (r - mean); 0 for a lone one
+        adv = torch.where(count > 1, adv * count / (count - 1).clamp(min=1), torch.zeros_like(adv))
+    squares = torch.where(valid, (groups - mean) ** 2, 0.0)
+    if scale == "group":
+        adv = adv / ((squares.sum(dim=1, keepdim=True) / (count - int(unbiased)).clamp(min=1)).sqrt() + eps)
+    elif scale == "batch":
+        local = r[scorable.to(r.device)]
+        adv = adv / ((batch_std if batch_std is not None else local.std(unbiased=unbiased)) + eps)
+    low = torch.where(valid, groups, torch.inf).amin(dim=1, keepdim=True)
+    high = torch.where(valid, groups, -torch.inf).amax(dim=1, keepdim=True)
+    return torch.where(valid & (high > low), adv, torch.zeros_like(adv)).reshape(-1)
 
 
 def process_advantages(

@@ -18,11 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from lightning import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from grpo_lightning.callbacks.checkpointing import RoundCheckpoint
 from grpo_lightning.callbacks.policy_sync import OldPolicySync
+from grpo_lightning.callbacks.round_log import RoundLog, is_terminal
 from grpo_lightning.callbacks.wandb_logger import LoggerSaveConfigCallback
 from grpo_lightning.checkpoint_io import AtomicCheckpointIO
 from grpo_lightning.config import AdvantageConfig, ConfigError, EvalConfig, ObjectiveConfig, SamplingConfig
@@ -45,6 +49,9 @@ TRAINER_DEFAULTS = {
     "log_every_n_steps": 1,  # a round has only a few optimizer steps: log every one
     "use_distributed_sampler": False,
     "num_sanity_val_steps": 0,
+    # Held-out evaluation decodes every held-out prompt: every round (Lightning's default) would, for a real model,
+    # spend more time evaluating than training. A config's own value wins.
+    "check_val_every_n_epoch": 10,
 }
 
 # ckpt_path values that Lightning resolves itself (not file paths).
@@ -103,14 +110,20 @@ class GRPOCLI(LightningCLI):
         place_run_folders(config.get("trainer"))
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """The Trainer, with ``OldPolicySync`` and ``AtomicCheckpointIO`` added; a setting that Lightning refuses
-        (``devices=0``, ``strategy='bogus'``, ...) as one line."""
+        """The Trainer, with what a run needs and its config may leave out (``default_callbacks``) and the
+        ``AtomicCheckpointIO`` plugin; the progress bar only on a terminal (``RoundLog`` writes a line per round
+        to a log file instead); a setting that Lightning refuses (``devices=0``, ``strategy='bogus'``, ...) as one
+        line."""
         config = self.config_init.get(str(self.subcommand), self.config_init)
         trainer = config.get("trainer") or {}
         callbacks = trainer.get("callbacks") or []
         callbacks = list(callbacks) if isinstance(callbacks, list) else [callbacks]
-        if not any(isinstance(c, OldPolicySync) for c in callbacks):
-            kwargs.setdefault("callbacks", [*callbacks, OldPolicySync()])
+        added = self.default_callbacks(trainer, callbacks)
+        if added:
+            kwargs.setdefault("callbacks", [*callbacks, *added])
+        if trainer.get("enable_progress_bar") is None and not is_terminal():
+            if not any(isinstance(c, ProgressBar) for c in callbacks):
+                kwargs.setdefault("enable_progress_bar", False)
         plugins = trainer.get("plugins") or []
         plugins = list(plugins) if isinstance(plugins, list) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins):
@@ -121,6 +134,18 @@ class GRPOCLI(LightningCLI):
             if user_error(err) is not None:
                 raise
             raise trainer_error(err, config.get("trainer")) from err
+
+    def default_callbacks(self, trainer: Any, callbacks: list[Any]) -> list[Any]:
+        """What a GRPO run needs that ``callbacks`` lacks: ``OldPolicySync`` (the engine samples the current
+        policy), ``RoundLog`` (a line per round in a log file) and, unless ``trainer.enable_checkpointing`` is
+        false, a ``RoundCheckpoint`` keeping ``<default_root_dir>/checkpoints/last.ckpt`` (``default_checkpoint``)."""
+        added: list[Any] = []
+        if not any(isinstance(c, OldPolicySync) for c in callbacks):
+            added.append(OldPolicySync())
+        if not any(isinstance(c, RoundLog) for c in callbacks):
+            added.append(RoundLog())
+        checkpoint = default_checkpoint(trainer, callbacks, rounds=True)
+        return added + ([checkpoint] if checkpoint is not None else [])
 
     def before_fit(self) -> None:
         """GRPO's own Trainer requirement, checked before anything is built."""
@@ -142,8 +167,44 @@ class SFTCLI(GRPOCLI):
         kwargs.setdefault("trainer_defaults", {"num_sanity_val_steps": 0})
         super().__init__(*args, **kwargs)
 
+    def default_callbacks(self, trainer: Any, callbacks: list[Any]) -> list[Any]:
+        """Unless ``trainer.enable_checkpointing`` is false, a ``ModelCheckpoint`` keeping ``last.ckpt``."""
+        checkpoint = default_checkpoint(trainer, callbacks, rounds=False)
+        return [checkpoint] if checkpoint is not None else []
+
     def before_fit(self) -> None:
         pass
+
+
+DEFAULT_CHECKPOINT_ROUNDS = 10
+"""A config without a checkpoint callback saves ``last.ckpt`` every this many rounds (and at the end, and on
+SIGTERM)."""
+
+
+def default_checkpoint(trainer: Any, callbacks: list[Any], *, rounds: bool) -> ModelCheckpoint | None:
+    """The checkpoint callback of a config that names none, so that no run ends with nothing saved.
+
+    Lightning's own default saves at validation when validation is not every epoch: a run validated only at its
+    end saved nothing before it. This one keeps ``<default_root_dir>/checkpoints/last.ckpt`` (``--ckpt_path last``
+    resumes it): for GRPO a ``RoundCheckpoint`` (every ``DEFAULT_CHECKPOINT_ROUNDS`` rounds, at the end, and the
+    last completed round on SIGTERM), for SFT (``rounds=False``) a ``ModelCheckpoint`` at every epoch's end. None
+    when the config has a checkpoint callback or ``trainer.enable_checkpointing: false``.
+    """
+    if trainer.get("enable_checkpointing") is False or any(isinstance(c, ModelCheckpoint) for c in callbacks):
+        return None
+    folder = os.path.join(str(trainer.get("default_root_dir") or os.getcwd()), "checkpoints")
+    if rounds:
+        every = DEFAULT_CHECKPOINT_ROUNDS
+        checkpoint: ModelCheckpoint = RoundCheckpoint(dirpath=folder, every_n_rounds=every, save_top_k=0)
+        when = f"every {every} rounds, at the end and on SIGTERM"
+    else:
+        checkpoint = ModelCheckpoint(dirpath=folder, save_top_k=0, save_last=True, save_on_train_epoch_end=True)
+        when = "at every epoch's end"
+    rank_zero_info(
+        f"no checkpoint callback in the config: saving {folder}/last.ckpt {when} (resume with --ckpt_path last; "
+        "trainer.enable_checkpointing: false turns this off)"
+    )
+    return checkpoint
 
 
 def check_ckpt_file(command_line: list[str] | None) -> None:
@@ -213,8 +274,6 @@ def place_run_folders(trainer: Any) -> None:
         raise ConfigError(
             f"trainer.default_root_dir: cannot create {root} ({err.strerror}); choose a folder this user can write"
         ) from None
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     callbacks, loggers = trainer.get("callbacks") or [], trainer.get("logger")
     for item in callbacks if isinstance(callbacks, list) else [callbacks]:
         cls, init_args = _class_of(item), item.get("init_args") if hasattr(item, "get") else None
@@ -322,7 +381,11 @@ def main(args: list[str] | None = None) -> None:
     if argv[:1] == ["sft"]:
         cli_class, argv = SFTCLI, argv[1:]
     try:
-        cli_class(args=argv)
+        if args is None:  # the process's own command line: LightningCLI reads it (given both, it warns)
+            sys.argv[1:] = argv
+            cli_class()
+        else:
+            cli_class(args=argv)
     except Exception as err:
         if os.environ.get("GRPO_DEBUG"):
             raise

@@ -149,6 +149,8 @@ def held_out_loader(datamodule: Any, data: Dataset, batch_size: int) -> DataLoad
     """
     trainer = datamodule.trainer
     rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+    if trainer is not None:  # rewards that read TRL's ``trainer_state`` see the progress of the evaluated policy
+        datamodule.scorer.trainer_state.update(trainer.global_step, trainer.current_epoch)
     # Contiguous shards, sized as ``datasets.Dataset.shard(contiguous=True)`` sizes them.
     size, extra = divmod(len(data), world)
     start = size * rank + min(rank, extra)

@@ -17,7 +17,6 @@ import functools
 import math
 import random
 from contextlib import AbstractContextManager
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -36,8 +35,9 @@ from grpo_lightning.models.policy import attached_trainer, build_policy, context
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.rewards import RewardSpec
 from grpo_lightning.rewards.scorer import Scorer
+from grpo_lightning.rollout.data_sources import PromptData
 from grpo_lightning.rollout.policy import EngineHandle, PolicySide
-from grpo_lightning.rollout.prompts import PromptEncoder, load_prompts, rename_prompt_column
+from grpo_lightning.rollout.prompts import Prompt, PromptEncoder, check_prompt_rows, rename_prompt_column, response_text
 
 IGNORE_INDEX = -100  # label of the tokens the loss skips (prompt and padding), as in Hugging Face models
 
@@ -164,7 +164,7 @@ class SFTModule(LightningModule):
 
 
 def encode_examples(
-    encoder: PromptEncoder, prompts: list[str], responses: list[str]
+    encoder: PromptEncoder, prompts: list[Prompt], responses: list[str]
 ) -> list[tuple[list[int], list[int]]]:
     """``(input_ids, labels)`` per pair: the prompt encoded exactly as a rollout encodes it for generation
     (chat template or special tokens included), then the response's tokens and EOS, which is where a sampled
@@ -227,7 +227,7 @@ def pack_examples(
     return rows
 
 
-class SFTDataModule(LightningDataModule):
+class SFTDataModule(PromptData, LightningDataModule):
     """Prompt/response pairs for ``SFTModule``; the held-out prompts of its evaluation."""
 
     def __init__(
@@ -238,9 +238,12 @@ class SFTDataModule(LightningDataModule):
         train_split: str = "train",
         prompt_column: str = "prompt",
         response_column: str = "response",
-        use_chat_template: bool = False,
+        use_chat_template: bool | Literal["auto"] | None = "auto",
+        system_prompt: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         val_dataset: str | None = None,
         val_split: str | None = "test",
+        val_fraction: float | None = None,
         batch_size: int = 32,
         packing: bool = False,
         max_length: int | None = None,
@@ -260,12 +263,18 @@ class SFTDataModule(LightningDataModule):
             subset: the Hub dataset's configuration name.
             task_kwargs: options of the built-in task (also for a built-in ``val_dataset``).
             train_split: split of ``dataset`` (a local file is one split: the file).
-            prompt_column: the column with the prompt.
-            response_column: the column with the target response (``answer`` for a built-in task).
-            use_chat_template: wrap each prompt in the tokenizer's chat template, as the GRPO stage will.
+            prompt_column: the column with the prompt: a string, or a list of ``{role, content}`` messages.
+            response_column: the column with the target response (``answer`` for a built-in task): a string, or
+                one ``{role: assistant, content}`` message.
+            use_chat_template: render prompts with the tokenizer's chat template, as the GRPO stage will (a string
+                as a user message); ``auto``: when the tokenizer has one.
+            system_prompt: a system message put first in every prompt that has none (needs the chat template).
+            chat_template_kwargs: further arguments of ``apply_chat_template`` (e.g. ``enable_thinking: false``).
             val_dataset: held-out prompts (same kinds as ``dataset``; needs the columns the rewards read). Unset:
                 ``dataset``'s ``val_split`` for a built-in task or Hub dataset, none for a local file.
             val_split: held-out split; ``None`` disables evaluation.
+            val_fraction: hold out this share of the training rows (drawn by ``seed``, never trained on) for
+                evaluation instead (``rollout/data_sources.py``).
             batch_size: rows per optimizer step (per micro-batch with ``trainer.accumulate_grad_batches``).
             packing: concatenate examples into rows of ``max_length`` tokens (each still attends only to itself).
             max_length: the packed row length; without packing, examples longer than this lose their end.
@@ -284,9 +293,8 @@ class SFTDataModule(LightningDataModule):
             raise ConfigError(f"data.batch_size must be >= 1 (got {batch_size})")
         if packing and not max_length:
             raise ConfigError("data.packing needs data.max_length, the length of a packed row in tokens")
-        self.source, self.subset, self.task_kwargs = dataset, subset, task_kwargs or {}
-        self.train_split, self.prompt_column, self.response_column = train_split, prompt_column, response_column
-        self.use_chat_template, self.val_dataset, self.val_split = use_chat_template, val_dataset, val_split
+        self.init_prompts(locals())  # the sources of the rows, the prompts' chat settings (``PromptData``)
+        self.response_column = response_column
         self.batch_size, self.packing, self.max_length, self.limit = batch_size, packing, max_length, limit
         self.scorer = Scorer(rewards, accuracy_reward=accuracy_reward)
         self.engine = EngineHandle(engine)
@@ -300,16 +308,9 @@ class SFTDataModule(LightningDataModule):
         """The LightningModule, as far as generation needs it (see ``rollout/policy.py``)."""
         return self.trainer.lightning_module
 
-    def encoder(self) -> PromptEncoder:
-        return PromptEncoder(self.policy_side.tokenizer, self.use_chat_template)
-
-    def _read(self, source: str, split: str, setting: str) -> Dataset:
-        data = load_prompts(source, split, subset=self.subset, task_kwargs=self.task_kwargs, setting=setting)
-        return rename_prompt_column(data, self.prompt_column, f"{setting} ({source})")
-
     def setup(self, stage: str) -> None:
         if stage == "fit" and self.train_examples is None:
-            data = self._read(self.source, self.train_split, "data.dataset")
+            data = rename_prompt_column(self.sources.training_rows(), self.prompt_column, self.sources.train_where)
             if self.response_column not in data.column_names:
                 raise ConfigError(
                     f"data.dataset ({self.source}) has no response column {self.response_column!r} "
@@ -317,7 +318,10 @@ class SFTDataModule(LightningDataModule):
                 )
             if self.limit is not None:
                 data = data.select(range(min(self.limit, len(data))))
-            examples = encode_examples(self.encoder(), data["prompt"], [str(r) for r in data[self.response_column]])
+            encoder = self.encoder()
+            check_prompt_rows(data, self.sources.train_where, encoder)
+            responses = [response_text(r) for r in data[self.response_column]]
+            examples = encode_examples(encoder, data["prompt"], responses)
             if self.max_length:
                 examples = [(ids[: self.max_length], labels[: self.max_length]) for ids, labels in examples]
             if self.packing:
@@ -325,13 +329,12 @@ class SFTDataModule(LightningDataModule):
                 random.Random(self.seed).shuffle(examples)
                 examples = pack_examples(examples, self.max_length, self.policy_side.tokenizer.pad_token_id)
             self.train_examples = examples
-        local_file = Path(self.source).suffix.lower() in (".jsonl", ".json", ".parquet", ".csv")
-        if self.val_split is not None and self.val_data is None and (self.val_dataset or not local_file):
-            source = self.val_dataset or self.source
-            data = self._read(source, self.val_split, "data.val_dataset" if self.val_dataset else "data.dataset")
-            if self.val_limit is not None:
-                data = data.select(range(min(self.val_limit, len(data))))
-            self.scorer.check_columns(data.column_names, f"the held-out data ({source})")
+        held_out = self.sources.held_out(self.val_limit) if self.val_data is None else None
+        if held_out is not None:
+            data, where = held_out
+            data = rename_prompt_column(data, self.prompt_column, where)
+            self.scorer.check_columns(data.column_names, where)
+            check_prompt_rows(data, where, self.encoder())
             self.val_data = data
 
     def train_dataloader(self) -> DataLoader:
@@ -346,9 +349,11 @@ class SFTDataModule(LightningDataModule):
             collate_fn=collate,
         )
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> DataLoader | list:
         if self.val_data is None:
-            raise ConfigError("no held-out data: set data.val_dataset (and data.val_split)")
+            if self.trainer is not None and self.trainer.state.fn == "fit":
+                return []  # no held-out data (see ``PromptSource``): training goes on without evaluation
+            raise self.sources.no_held_out_error()
         return held_out_loader(self, self.val_data, self.val_batch_size)
 
     test_dataloader = val_dataloader  # ``test`` evaluates the same held-out prompts

@@ -7,10 +7,8 @@ row at fault (the CLI prints it as ``error: ...``), or fixes what is safe to fix
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, fields, is_dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
@@ -19,53 +17,12 @@ from grpo_lightning.config import ConfigError
 
 if TYPE_CHECKING:
     from datasets import Dataset
-    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
 # Settings that decide the shape of the weights: a checkpoint made with other values cannot be loaded.
 STRUCTURAL_HPARAMS = ("model_name_or_path", "tiny_model", "lora")
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
-
-
-# ------------------------------------------------------------------------------------------------ tokenizer
-def fix_special_tokens(
-    tokenizer: PreTrainedTokenizerBase, name: str, eos_token_id: int | list[int] | None = None
-) -> PreTrainedTokenizerBase:
-    """Give ``tokenizer`` the eos and pad tokens that generation needs, where that is safe; refuse it otherwise.
-
-    A missing eos is taken from the model's own config (``eos_token_id``), a missing pad becomes eos (padding is
-    masked out everywhere); both with a warning.
-    """
-    if tokenizer.eos_token is None:
-        ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
-        ids = [i for i in ids if isinstance(i, int) and 0 <= i < len(tokenizer)]
-        if not ids:
-            raise ConfigError(
-                f"model.model_name_or_path: the tokenizer of {name!r} has no eos token and the model config names "
-                "none; set tokenizer.eos_token in its tokenizer_config.json"
-            )
-        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(ids[0])
-        log.warning("the tokenizer of %r has no eos token: using %r, the model config's", name, tokenizer.eos_token)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-        log.warning("the tokenizer of %r has no pad token: padding with eos %r", name, tokenizer.eos_token)
-    return tokenizer
-
-
-def model_eos_token_id(name: str) -> int | list[int] | None:
-    """The eos id(s) in ``name``'s model config, without loading the weights; None when it cannot be read."""
-    config = _model_config(name)
-    return getattr(config, "eos_token_id", None) if config is not None else None
-
-
-def _model_config(name: str) -> Any:
-    try:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(name)
-    except Exception:  # unreadable here; loading the model reports the problem in its own words
-        return None
 
 
 # ------------------------------------------------------------------------------------------ numeric settings
@@ -126,19 +83,37 @@ def check_ranges(section: str, settings: Mapping[str, Any] | Any) -> None:
             raise ConfigError(f"{name} must be {must_be} (got {settings[key]!r})")
 
 
-def check_batch_sizes(rollout: int, mini: int, micro: int, accumulate: int) -> None:
-    """The rollout splits into mini-batches (optimizer steps) of micro-batches (forwards), one accumulation each."""
+def check_batch_sizes(rollout: int, mini: int, micro: int, accumulate: int) -> int:
+    """The rollout splits into mini-batches (optimizer steps) of micro-batches (forwards), one accumulation each.
+
+    Returns the gradient accumulation the sizes imply, ``mini / micro``. ``accumulate`` (the Trainer's) must equal
+    it, or be 1 (Lightning's default: unset), which the caller then replaces by it.
+    """
     if rollout % mini:
         raise ConfigError(
             f"data.mini_batch_size ({mini}) must divide the rollout of prompts_per_round × group_size = {rollout}"
         )
     if mini % micro:
         raise ConfigError(f"data.micro_batch_size ({micro}) must divide data.mini_batch_size ({mini})")
-    if mini // micro != accumulate:
+    if accumulate not in (1, mini // micro):
         raise ConfigError(
-            f"data.mini_batch_size / data.micro_batch_size = {mini // micro} but "
-            f"trainer.accumulate_grad_batches = {accumulate}: set them to agree"
+            f"trainer.accumulate_grad_batches = {accumulate} contradicts data.mini_batch_size / "
+            f"data.micro_batch_size = {mini // micro}: leave it unset (it is derived) or make them agree"
         )
+    return mini // micro
+
+
+def derive_accumulation(trainer: Any, rollout: int, mini: int, micro: int) -> None:
+    """``trainer.accumulate_grad_batches`` from the batch sizes (``check_batch_sizes``), set before training.
+
+    Why set here: the number of micro-batches per optimizer step follows from ``data.mini_batch_size /
+    data.micro_batch_size``; asking for it again in the Trainer's settings only makes room for a contradiction.
+    Lightning reads the attribute at every batch (its own ``GradientAccumulationScheduler`` sets it the same way).
+    """
+    accumulate = check_batch_sizes(rollout, mini, micro, trainer.accumulate_grad_batches)
+    if trainer.accumulate_grad_batches != accumulate:
+        log.info("trainer.accumulate_grad_batches = %d (data.mini_batch_size / data.micro_batch_size)", accumulate)
+        trainer.accumulate_grad_batches = accumulate
 
 
 def check_round_settings(
@@ -176,37 +151,6 @@ def check_setting_ranges(config: Any) -> None:
         values = config.get(section) if hasattr(config, "get") else getattr(config, section, None)
         if values is not None:
             check_ranges(section, values)
-
-
-# ---------------------------------------------------------------------------------------------- model source
-# A Hugging Face Hub model name: ``name`` or ``namespace/name`` (``huggingface_hub``'s rule, simplified).
-_REPO_ID = re.compile(r"(?!.*(?:--|\.\.))\w(?:[\w.\-]{0,94}\w)?(?:/\w(?:[\w.\-]{0,94}\w)?)?")
-
-
-def check_model_source(name: str) -> None:
-    """Refuse ``model.model_name_or_path`` when it can be neither a local model folder nor a Hub model name.
-
-    ``transformers`` reads the value as a local folder only when that folder exists, and otherwise as a Hub name:
-    a mistyped path would end in its traceback about repository ids.
-    """
-    path = Path(name).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ConfigError(
-                f"model.model_name_or_path: the folder {name!r} has no config.json: not a Hugging Face model folder"
-            )
-        return
-    if path.exists():
-        raise ConfigError(f"model.model_name_or_path: {name!r} is a file; give the model's folder or a Hub name")
-    if not _REPO_ID.fullmatch(name):
-        raise ConfigError(f"model.model_name_or_path: no such local folder {name!r} (nor is it a Hub model name)")
-
-
-def model_source_error(name: str, err: OSError) -> ConfigError:
-    """``transformers``' failure to load ``name`` (not found locally nor on the Hub, offline, ...) in one line."""
-    first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
-    local = " (there is no local folder of that name either)" if "/" in name else ""
-    return ConfigError(f"model.model_name_or_path: cannot load {name!r}{local}: {first[:300]}")
 
 
 # --------------------------------------------------------------------------------------------------- data

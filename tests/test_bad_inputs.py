@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict
@@ -111,6 +112,30 @@ def model_folder_without_config(config: dict, tmp: Path) -> None:
     config["model"]["model_name_or_path"] = str(tmp / "half-copied-model")
 
 
+def model_folder_without(*absent: str, shards: bool = False):
+    """Edit: train a copy of the quickstart's model folder with the files ``absent`` removed (``shards``: its
+    weights split in two shards, the second one then removed)."""
+
+    def edit(config: dict, tmp: Path) -> None:
+        folder = tmp / "copied-model"
+        shutil.copytree(ROOT / "grpo_lightning" / "assets" / "tiny-arith", folder)
+        if shards:
+            (folder / "model.safetensors").unlink()
+            weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+            (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+            (folder / "model-00001-of-00002.safetensors").write_bytes(b"")
+        for name in absent:
+            (folder / name).unlink()
+        config["model"] = {"model_name_or_path": str(folder)}
+
+    return edit
+
+
+def both(*edits):
+    """Edit: several edits, in order."""
+    return lambda config, tmp: [arg for edit in edits for arg in (edit(config, tmp) or [])]
+
+
 def callback(class_name: str, **init_args):
     """Edit: run with the callback ``grpo_lightning.callbacks.<class_name>(**init_args)``."""
     path = f"grpo_lightning.callbacks.{class_name}"
@@ -153,7 +178,10 @@ CATALOGUE = {
     "every_n_rounds_0": (setting("trainer.callbacks", ROUND_CHECKPOINT), "every_n_rounds"),
     "reload_every_2_epochs": (setting("trainer.reload_dataloaders_every_n_epochs", 2), "reload_dataloaders"),
     "mini_batch_not_dividing": (setting("data.mini_batch_size", 6), "data.mini_batch_size (6)"),
-    "micro_batches_vs_accumulation": (setting("data.micro_batch_size", 8), "accumulate_grad_batches"),
+    "micro_batches_vs_accumulation": (
+        both(setting("data.micro_batch_size", 8), setting("trainer.accumulate_grad_batches", 3)),
+        "trainer.accumulate_grad_batches = 3 contradicts data.mini_batch_size / data.micro_batch_size = 2",
+    ),
     "context_too_short": (setting("model.tiny_model.max_position_embeddings", 8), "max_new_tokens=4"),
     "no_such_data_file": (setting("data.dataset", "missing.jsonl"), "no such file 'missing.jsonl'"),
     "empty_data_file": (files([]), "is empty"),
@@ -181,6 +209,10 @@ CATALOGUE = {
     "reward_not_a_number": (reward("bad_text.text"), "bad_text.text"),
     "reward_raises": (reward("bad_raise.boom"), "reward 'bad_raise.boom' raised KeyError"),
     "reward_hangs": (reward("bad_slow.slow", reward_timeout_s=0.2), "reward 'bad_slow.slow' ran longer"),
+    "reward_kwargs_typo": (
+        setting("data.rewards", [{"name": "math_accuracy", "kwargs": {"mod": "lenient"}}]),
+        "data.rewards[0] (math_accuracy): unknown kwargs key 'mod'; valid: modes, last_number, timeout_s, backend",
+    ),
     "checkpoint_of_another_model": (checkpoint_of(64), "model.tiny_model"),
     "no_such_checkpoint": (args("--ckpt_path", "missing.ckpt"), "ckpt_path: no such checkpoint file"),
     "not_a_checkpoint": (garbage_checkpoint, "ckpt_path: cannot read"),
@@ -219,6 +251,9 @@ CATALOGUE = {
     # Paths.
     "missing_model_folder": (setting("model.model_name_or_path", "./no_such_model"), "no such local folder"),
     "model_folder_without_config": (model_folder_without_config, "has no config.json"),
+    "model_folder_without_weights": (model_folder_without("model.safetensors"), "has no weights (model.safetensors"),
+    "model_folder_missing_a_shard": (model_folder_without(shards=True), "lacks 1 of the 2 weight shards"),
+    "model_folder_without_tokenizer": (model_folder_without("tokenizer.json"), "has no tokenizer files"),
 }
 
 

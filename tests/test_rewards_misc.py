@@ -279,6 +279,19 @@ def test_reward_model_batched_deterministic_frozen(tiny_models: dict[str, str]) 
     assert _load.cache_info().currsize >= 1 and _load("classifier", path, "cpu", None)[0] is model  # loaded once
 
 
+def test_a_half_copied_reward_model_folder_is_named_in_one_line(tiny_models: dict[str, str], tmp_path) -> None:
+    import shutil
+
+    from grpo_lightning.config import ConfigError
+    from grpo_lightning.rewards.model import reward_model
+
+    folder = tmp_path / "copied"
+    shutil.copytree(tiny_models["classifier"], folder)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match=r"^data.rewards: the classifier folder .* has no weights"):
+        reward_model(PROMPTS, COMPLETIONS, model_name_or_path=str(folder))
+
+
 def test_llm_judge_expected_and_generate(tiny_models: dict[str, str]) -> None:
     from grpo_lightning.rewards.model import llm_judge
 

@@ -162,8 +162,8 @@ def test_batch_sizes_that_do_not_divide_are_refused(tmp_path):
     module, data, trainer, _ = make(tmp_path, mini=6)
     with pytest.raises(ConfigError, match="mini_batch_size"):
         trainer.fit(module, datamodule=data)
-    module, data, trainer, _ = make(tmp_path, mini=8, micro=4, accumulate=1)
-    with pytest.raises(ConfigError, match="accumulate_grad_batches"):
+    module, data, trainer, _ = make(tmp_path, mini=8, micro=4, accumulate=3)  # 1 (unset) is derived: 2
+    with pytest.raises(ConfigError, match="accumulate_grad_batches = 3 contradicts"):
         trainer.fit(module, datamodule=data)
 
 

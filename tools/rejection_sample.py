@@ -32,7 +32,7 @@ import torch
 from grpo_lightning.cli import GRPOCLI
 from grpo_lightning.engines import build_engine
 from grpo_lightning.module import GRPOModule
-from grpo_lightning.rollout.prompts import PromptEncoder, load_prompts, rename_prompt_column
+from grpo_lightning.rollout.prompts import load_prompts, rename_prompt_column
 from grpo_lightning.rollout.sampling import sample_and_score
 
 
@@ -149,10 +149,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     params = data.sampling.params(**changes)
     engine = build_engine(data.engine.engine)
     engine.setup(module.policy, module.tokenizer)
-    encoder = PromptEncoder(module.tokenizer, data.use_chat_template)
+    encoder = data.encoder(module.tokenizer)  # the config's chat settings: template, system prompt, kwargs
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
 
-    rows = load_prompts(data.source, args.split or data.train_split, subset=data.subset, task_kwargs=data.task_kwargs)
+    if args.split:
+        rows = load_prompts(data.source, args.split, subset=data.subset, task_kwargs=data.task_kwargs)
+    else:  # the training rows: without those data.val_fraction holds out
+        rows = data.sources.training_rows()
     rows = rename_prompt_column(rows, data.prompt_column, f"data.dataset ({data.source})")
     order = list(range(len(rows)))
     if args.num_prompts is not None and args.num_prompts < len(rows):

@@ -9,6 +9,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 from grpo_lightning.config import ConfigError
+from grpo_lightning.rewards.inputs import prompt_text
 from grpo_lightning.rollout.batch import RolloutBatch
 
 
@@ -22,20 +23,24 @@ def completion_advantages(rollout: RolloutBatch) -> list[float]:
 
 
 def completion_rows(rollout: RolloutBatch, indices: list[int] | None = None) -> tuple[list[str], list[list[Any]]]:
-    """Columns ``prompt, completion, reward, <each reward function>, advantage`` and the rows of ``indices``.
+    """Columns ``prompt, completion, reward, <each reward function>, advantage`` and the rows of ``indices``, then
+    the columns reward functions added with TRL's ``log_extra``.
 
     Multi-turn rollouts add ``turns`` and ``transcript`` (every turn and observation) after ``completion``, which
     is then the final turn that the rewards scored.
     """
-    names = list(rollout.reward_columns)
+    names, extra = list(rollout.reward_columns), list(rollout.extra_columns)
     turns = rollout.turn_stats.get("turns") if rollout.transcripts else None
     columns = ["prompt", "completion", *(["turns", "transcript"] if turns else []), "reward", *names, "advantage"]
+    columns += extra
     rewards, advantages = rollout.rewards.float().tolist(), completion_advantages(rollout)
     rows = []
     for i in range(len(rollout.completions)) if indices is None else indices:
         per_function = [rollout.reward_columns[name][i] for name in names]
         multiturn = [int(turns[i]), rollout.transcripts[i]] if turns else []
-        rows.append([rollout.prompts[i], rollout.completions[i], *multiturn, rewards[i], *per_function, advantages[i]])
+        prompt = prompt_text(rollout.prompts[i])  # a conversation as one role: content line per message
+        logged = [rollout.extra_columns[name][i] for name in extra]
+        rows.append([prompt, rollout.completions[i], *multiturn, rewards[i], *per_function, advantages[i], *logged])
     return columns, rows
 
 

@@ -60,6 +60,9 @@ class Environment(ABC):
 
     shared: tuple[str, ...] = ("tokenizer",)
     """Attributes every trajectory's copy shares instead of copying: heavy and read-only (a subclass may add to it)."""
+    chat_template_kwargs: dict[str, Any] = {}  # noqa: RUF012 - replaced, never mutated
+    """``data.chat_template_kwargs`` (set by the data module before ``setup``): what renders a frame with the chat
+    template (a tool result and the next assistant header) passes to it, as the prompts' rendering does."""
 
     def __init__(
         self, max_turns: int = 4, max_turn_tokens: int | None = None, max_observation_tokens: int = 64

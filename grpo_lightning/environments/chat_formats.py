@@ -52,16 +52,21 @@ class ChatTemplateFormat:
 
     name = "chat_template"
 
-    def __init__(self, tokenizer: Any, turn_end: str = "") -> None:
-        """``turn_end``: the template's end of an assistant turn that the policy's turn already ends with."""
+    def __init__(self, tokenizer: Any, turn_end: str = "", template_kwargs: dict[str, Any] | None = None) -> None:
+        """``turn_end``: the template's end of an assistant turn that the policy's turn already ends with;
+        ``template_kwargs``: the template's variables (``data.chat_template_kwargs``), as the prompts use them."""
         self.tokenizer, self.turn_end = tokenizer, turn_end
+        self.template_kwargs = dict(template_kwargs or {})
 
     def result(self, text: str) -> str:
         """What the template writes after an assistant turn (its ``turn_end`` aside) for a tool message holding
         ``text``, up to and including the next assistant turn's header."""
         messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
         rendered = self.tokenizer.apply_chat_template(
-            [*messages, {"role": "tool", "content": text}], tokenize=False, add_generation_prompt=True
+            [*messages, {"role": "tool", "content": text}],
+            tokenize=False,
+            add_generation_prompt=True,
+            **self.template_kwargs,
         )
         if _MARK not in rendered:
             raise ConfigError(f"{SETTING}: the chat template does not render the assistant's text; use format: tag")
@@ -76,8 +81,8 @@ class HermesFormat(ChatTemplateFormat, TaggedCalls):
 
     name = "hermes"
 
-    def __init__(self, tokenizer: Any) -> None:
-        ChatTemplateFormat.__init__(self, tokenizer)
+    def __init__(self, tokenizer: Any, template_kwargs: dict[str, Any] | None = None) -> None:
+        ChatTemplateFormat.__init__(self, tokenizer, template_kwargs=template_kwargs)
         TaggedCalls.__init__(self, "<tool_call>", "</tool_call>")
 
     def last_call(self, turn: str) -> ToolCall | None:
@@ -99,8 +104,8 @@ class Llama3JsonFormat(ChatTemplateFormat):
     name = "llama3_json"
     _start = re.compile(r'\{\s*"name"\s*:')
 
-    def __init__(self, tokenizer: Any, turn_end: str) -> None:
-        super().__init__(tokenizer, turn_end)
+    def __init__(self, tokenizer: Any, turn_end: str, template_kwargs: dict[str, Any] | None = None) -> None:
+        super().__init__(tokenizer, turn_end, template_kwargs)
         added = getattr(tokenizer, "get_added_vocab", dict)()
         self._stops = tuple(dict.fromkeys((turn_end, *(end for end in _LLAMA_ENDS if end in added))))
 
@@ -127,14 +132,18 @@ def _one_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
-def detect_chat_format(tokenizer: Any) -> HermesFormat | Llama3JsonFormat | None:
-    """The tool-call format the tokenizer's chat template writes (module docstring); None when it writes none;
-    ``ConfigError`` (one line) for a form not parsed here."""
+def detect_chat_format(
+    tokenizer: Any, template_kwargs: dict[str, Any] | None = None
+) -> HermesFormat | Llama3JsonFormat | None:
+    """The tool-call format the tokenizer's chat template writes (module docstring), rendering with
+    ``template_kwargs`` (the template's variables); None when it writes none; ``ConfigError`` (one line) for a form
+    not parsed here."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         return None
+    template_kwargs = dict(template_kwargs or {})
     try:
-        rendered = tokenizer.apply_chat_template(_PROBE, tokenize=False, add_generation_prompt=True)
+        rendered = tokenizer.apply_chat_template(_PROBE, tokenize=False, add_generation_prompt=True, **template_kwargs)
     except Exception as err:  # noqa: BLE001 - any template error: a template without tools may refuse the tool role
         if "tool" not in str(template):
             return None
@@ -150,7 +159,7 @@ def detect_chat_format(tokenizer: Any) -> HermesFormat | Llama3JsonFormat | None
         )
     tagged = re.search(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", rendered, re.DOTALL)
     if tagged and _probe_call(tagged.group(1), "arguments"):
-        return HermesFormat(tokenizer)
+        return HermesFormat(tokenizer, template_kwargs)
     found = re.search(r'\{\s*"name"\s*:\s*"' + _NAME + '"', rendered)
     if found:
         try:
@@ -161,7 +170,7 @@ def detect_chat_format(tokenizer: Any) -> HermesFormat | Llama3JsonFormat | None
         added = getattr(tokenizer, "get_added_vocab", dict)()
         end = max((token for token in added if after.startswith(token)), key=len, default="")  # one token ends it
         if isinstance(call, dict) and call.get("parameters") == _ARGUMENTS and end:
-            return Llama3JsonFormat(tokenizer, end)
+            return Llama3JsonFormat(tokenizer, end, template_kwargs)
     at = rendered.index(_NAME)
     seen = rendered[max(0, at - 30) : at + len(_NAME) + 50]
     raise ConfigError(
@@ -178,17 +187,18 @@ def _probe_call(text: str, key: str) -> bool:
     return isinstance(call, dict) and call.get("name") == _NAME and call.get(key) == _ARGUMENTS
 
 
-def tool_format(name: str, tokenizer: Any) -> ToolFormat:
+def tool_format(name: str, tokenizer: Any, template_kwargs: dict[str, Any] | None = None) -> ToolFormat:
     """The format the ``format`` setting ``name`` stands for: ``tag``; ``chat_template`` (the family the template
     writes, refused when it writes none parsed here); ``auto`` (that family, or tags when the template does not
-    handle tools). Refused in one line (``ConfigError``) for a template whose tool calls are not parsed here."""
+    handle tools). Refused in one line (``ConfigError``) for a template whose tool calls are not parsed here.
+    ``template_kwargs``: the template's variables (``data.chat_template_kwargs``), for every rendering."""
     if name == "tag":
         return TagFormat()
     if name not in ("chat_template", "auto"):
         raise ConfigError(f"{SETTING} must be tag, chat_template or auto (got {name!r})")
     if name == "chat_template" and not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"{SETTING}: chat_template needs a tokenizer with a chat template; use format: tag")
-    family = detect_chat_format(tokenizer)
+    family = detect_chat_format(tokenizer, template_kwargs)
     if family is None and name == "chat_template":
         raise ConfigError(
             f"{SETTING}: the tokenizer's chat template does not write tool calls (a call rendered with it is left "

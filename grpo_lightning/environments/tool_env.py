@@ -81,7 +81,7 @@ class ToolEnvironment(Environment):
     def setup(self, tokenizer: Any) -> None:
         """Picks the format for ``tokenizer`` and checks that an observation's frame fits its token limit."""
         super().setup(tokenizer)
-        self.format = tool_format(self.format_name, tokenizer)
+        self.format = tool_format(self.format_name, tokenizer, self.chat_template_kwargs)
         smallest = self.count_tokens(self.format.result(SHORT_CUT_MARKER))
         if smallest > self.max_observation_tokens:
             full = self.count_tokens(self.format.result(cut_marker(_LARGEST_CUT)))

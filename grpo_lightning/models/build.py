@@ -8,13 +8,13 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
-from grpo_lightning.validation import (
+from grpo_lightning.models.sources import (
     check_model_source,
     fix_special_tokens,
     model_eos_token_id,
     model_source_error,
 )
+from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
 
 
 def load_tokenizer(model_name_or_path: str | None) -> PreTrainedTokenizerBase:

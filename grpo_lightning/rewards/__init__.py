@@ -1,12 +1,15 @@
 """Reward functions: a registry by name, plus the scoring that combines them.
 
-The contract every reward function follows::
+The contract every reward function follows (TRL's ``GRPOTrainer`` convention, so TRL's functions run unchanged)::
 
-    fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]
+    fn(prompts, completions, **columns) -> list[float | None]   # or ``async def``
 
-``columns`` are the dataset's other columns for the same rows (e.g. ``answer``), one value per completion.
+``columns`` are the dataset's other columns for the same rows (e.g. ``answer``), one value per completion, with
+``completion_ids``, ``trainer_state``, ``log_metric`` and ``log_extra`` (``rewards/inputs.py``). A completion is
+its text, or ``[{"role": "assistant", "content": text}]`` where its prompt is a conversation.
 ``None`` means "not applicable to this row" (multi-task data). A function may declare the dataset columns it
-needs in a ``required_columns`` attribute; the DataModule checks them before training starts.
+needs in a ``required_columns`` attribute; the DataModule checks them before training starts. ``kwargs`` of a
+``RewardSpec`` are checked against the function's settings (``inputs.reward_settings``) when it is built.
 
 Register a function with ``@register("name")``; YAML refers to it by that name or by an import path
 (``my_pkg.rewards.fn``).

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from grpo_lightning.rewards import register
+from grpo_lightning.rewards.inputs import Completion, completion_texts
 from grpo_lightning.rewards.sandbox import Isolation, SandboxConfig, run_tests
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -112,7 +113,7 @@ def score_code(code: str, tests: Any, config: SandboxConfig, all_or_nothing: boo
 @register("code_execution")
 def code_execution(
     prompts: list[str],
-    completions: list[str],
+    completions: list[Completion],
     tests: list[Any],
     *,
     all_or_nothing: bool = False,
@@ -133,6 +134,7 @@ def code_execution(
     :class:`~grpo_lightning.rewards.sandbox.SandboxConfig`), up to ``num_workers`` (default: CPU count) at once.
     ``all_or_nothing`` gives 1.0 only when every test passes. Rows without tests give None.
     """
+    completions = completion_texts(completions)  # a conversation's completions are message lists
     config = SandboxConfig(
         timeout_s=timeout_s,
         test_timeout_s=test_timeout_s,

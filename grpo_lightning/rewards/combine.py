@@ -1,22 +1,24 @@
 """Score completions with several reward functions and combine them into one reward per completion.
 
-Also home of :func:`time_limit`, the per-call time limit that ``score(..., timeout_s=...)`` and the math
-reward's sympy checks use.
+The time limits (:func:`time_limit`, :func:`call_with_time_limit`) live in ``time_limits.py`` and are imported
+from here too, as they always were.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import numbers
-import signal
-import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from grpo_lightning.rewards.async_rewards import AsyncOutcome, run_one, start
+from grpo_lightning.rewards.inputs import RewardCall, check_reward_kwargs, is_async_reward
+from grpo_lightning.rewards.time_limits import TimeLimitExceeded, call_with_time_limit
+from grpo_lightning.rewards.time_limits import alarm_available as alarm_available  # re-exported
+from grpo_lightning.rewards.time_limits import time_limit as time_limit  # re-exported
 
 
 class RewardError(RuntimeError):
@@ -31,122 +33,28 @@ class RewardSpec:
     weight: float = 1.0
     kwargs: dict[str, Any] = field(default_factory=dict)
 
-    def build(self) -> Callable[..., list]:
+    def build(self, where: str = "data.rewards") -> Callable[..., list]:
+        """The function with its ``kwargs`` bound; a key it does not take (``inputs.reward_settings``) is refused
+        in one line naming ``where`` (the config key of this term), before training starts."""
         from grpo_lightning.rewards import get
 
         fn = get(self.name)
+        check_reward_kwargs(self.name, fn, self.kwargs, where)
         check = getattr(fn, "check_kwargs", None)
         if check is not None:
             check(**self.kwargs)  # the function refuses settings that cannot work now, before training starts
         return functools.partial(fn, **self.kwargs) if self.kwargs else fn
 
 
-class TimeLimitExceeded(BaseException):
-    """Raised inside code that ran past a :func:`time_limit`.
-
-    A ``BaseException`` (like ``KeyboardInterrupt``) so that a reward function's own ``except Exception`` does not
-    swallow it.
-    """
-
-    def __init__(self, seconds: float, token: object = None) -> None:
-        super().__init__(f"ran longer than {seconds:g}s")
-        self.seconds, self.token = seconds, token
-
-
-def alarm_available() -> bool:
-    """Whether :func:`time_limit` can interrupt code here: POSIX ``setitimer``, called from the main thread."""
-    return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float | None) -> Iterator[object | None]:
-    """Raise :class:`TimeLimitExceeded` in the block when it runs longer than ``seconds`` (wall clock).
-
-    Uses ``SIGALRM`` via ``setitimer``, so it works only in the main thread (check :func:`alarm_available`;
-    elsewhere the block runs without a limit) and interrupts Python code, not one long C call. Limits nest: an
-    outer limit that expires first still fires, and the outer timer is re-armed when the inner block ends. The
-    block gets a token (None when no timer of its own was set): ``err.token is token`` tells this limit's
-    expiry from an enclosing one's.
-    """
-    if seconds is None or seconds <= 0 or not alarm_available():
-        yield None
-        return
-    outer_remaining, outer_interval = signal.getitimer(signal.ITIMER_REAL)
-    if outer_remaining and outer_remaining <= seconds:
-        yield None  # the enclosing limit ends first and raises its own exception
-        return
-    token = object()
-    closed = [False]
-
-    def on_alarm(signum: int, frame: Any) -> None:
-        handling = sys.exc_info()[1]
-        if closed[0] or (isinstance(handling, TimeLimitExceeded) and handling.token is token):
-            return  # the block is ending, or this limit's exception is already on its way out of it
-        raise TimeLimitExceeded(seconds, token)
-
-    start = time.monotonic()
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    # Fires again every ``min(seconds, 0.1)`` until the block ends. Why: Python discards an exception raised inside a
-    # finalizer (``__del__``, weakref callbacks, run by the garbage collector at any allocation) or C code that
-    # clears errors; the alarm lands there now and then, and a one-shot timer then let the block run to its end
-    # (a sympy check limited to 0.3 s ran its full 7 s in the test suite, among torch's and Lightning's objects).
-    signal.setitimer(signal.ITIMER_REAL, seconds, min(seconds, 0.1))
-    try:
-        yield token
-    finally:
-        closed[0] = True  # first: no further alarm raises, whatever is pending
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        if outer_remaining:
-            remaining = max(outer_remaining - (time.monotonic() - start), 1e-4)
-            signal.setitimer(signal.ITIMER_REAL, remaining, outer_interval)
-
-
-def call_with_time_limit(fn: Callable[..., Any], seconds: float | None, *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)``, raising :class:`TimeLimitExceeded` after ``seconds``.
-
-    In the main thread the call is interrupted by :func:`time_limit`. Elsewhere it runs in a daemon thread that
-    is abandoned (not stopped: Python cannot kill a thread) when the limit passes.
-    """
-    if seconds is None or seconds <= 0:
-        return fn(*args, **kwargs)
-    if alarm_available():
-        try:
-            with time_limit(seconds) as token:
-                return fn(*args, **kwargs)
-        except TimeLimitExceeded as err:
-            if token is not None and err.token is token:
-                raise TimeLimitExceeded(seconds) from None
-            raise
-    result: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            result["value"] = fn(*args, **kwargs)
-        except BaseException as err:  # handed to the caller's thread below
-            result["error"] = err
-
-    worker = threading.Thread(target=target, daemon=True, name="reward-time-limit")
-    worker.start()
-    worker.join(seconds)
-    if worker.is_alive():
-        raise TimeLimitExceeded(seconds)
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
-
-
-def _find_slow_completion(
-    fn: Callable[..., list], seconds: float, prompts: list[str], completions: list[str], columns: dict[str, list]
-) -> int | None:
-    """Index of the first completion that alone takes longer than ``seconds``, within a budget of 2 × seconds."""
+def _find_slow_completion(probe: Callable[[int], Any], seconds: float, count: int) -> int | None:
+    """Index of the first of ``count`` completions whose call alone (``probe(i)`` raises
+    :class:`TimeLimitExceeded`) takes longer than ``seconds``, within a budget of 2 × seconds."""
     deadline = time.monotonic() + 2 * seconds
-    for i in range(len(completions)):
+    for i in range(count):
         if time.monotonic() > deadline:
             return None
-        row = {name: values[i : i + 1] for name, values in columns.items()}
         try:
-            call_with_time_limit(fn, seconds, prompts[i : i + 1], completions[i : i + 1], **row)
+            probe(i)
         except TimeLimitExceeded:
             return i
         except Exception:
@@ -191,85 +99,158 @@ def _check_values(name: str, values: Any, completions: Sequence[str]) -> list[fl
     return checked
 
 
-def call_reward(
-    spec: RewardSpec,
-    fn: Callable[..., Any],
-    prompts: list[str],
-    completions: list[str],
-    columns: dict[str, list[Any]],
-    *,
-    check: Callable[[str, Any, Sequence[str]], list],
-    zeros: Callable[[], list],
-    on_error: Literal["raise", "zero"] = "raise",
-    timeout_s: float | None = None,
+@dataclass
+class RewardTerm:
+    """One reward function of a scoring call, with how its values are checked and what 0 means for it."""
+
+    spec: RewardSpec
+    fn: Callable[..., Any]
+    check: Callable[[str, Any, Sequence[str]], list]
+    zeros: Callable[[], list]
+
+
+def _settle(
+    term: RewardTerm,
+    call: RewardCall,
+    run: Callable[[], Any],
+    probe: Callable[[int], Any],
+    on_error: Literal["raise", "zero"],
+    timeout_s: float | None,
 ) -> list:
-    """One reward function's values for a batch, checked by ``check``; the same failure handling for every kind.
+    """``run()``'s values checked by ``term.check``; the same failure handling for every kind of function.
 
     A function that raises, returns something unusable (``RewardError``) or runs past ``timeout_s`` (its call on
-    the whole batch, see :func:`call_with_time_limit`) is reported with its name, and with the first completion
-    that alone also runs past the limit (looked for within 2 × ``timeout_s``); with ``on_error="zero"`` it gives
-    ``zeros()`` instead.
+    the whole batch) is reported with its name, and with the first completion that alone (``probe(i)``) also runs
+    past the limit (looked for within 2 × ``timeout_s``); with ``on_error="zero"`` it gives ``term.zeros()``.
     """
+    name = term.spec.name
     try:
-        return check(spec.name, call_with_time_limit(fn, timeout_s, prompts, completions, **columns), completions)
+        return term.check(name, run(), call.texts)
     except TimeLimitExceeded as err:
         if err.token is not None:
             raise  # an enclosing time limit of the caller's ran out, not ours
         if on_error == "zero":
-            return zeros()
+            return term.zeros()
         assert timeout_s is not None
-        slow = _find_slow_completion(fn, timeout_s, prompts, completions, columns)
+        slow = _find_slow_completion(probe, timeout_s, len(call))
         where = (
-            f"completion {slow} alone ({completions[slow][:80]!r}) takes longer"
+            f"completion {slow} alone ({call.texts[slow][:80]!r}) takes longer"
             if slow is not None
             else "no single completion was found to take that long alone"
         )
         raise RewardError(
-            f"reward {spec.name!r} ran longer than timeout_s={timeout_s:g}s on a batch of "
-            f"{len(completions)} completions; {where}"
+            f"reward {name!r} ran longer than timeout_s={timeout_s:g}s on a batch of {len(call)} completions; {where}"
         ) from None
     except RewardError:
         if on_error == "zero":
-            return zeros()
+            return term.zeros()
         raise
     except Exception as err:  # a user's function failed: name it and the data it failed on
         if on_error == "zero":
-            return zeros()
+            return term.zeros()
         raise RewardError(
-            f"reward {spec.name!r} raised {type(err).__name__}: {err} "
-            f"(first completion of the batch: {completions[0][:80]!r})"
+            f"reward {name!r} raised {type(err).__name__}: {err} "
+            f"(first completion of the batch: {call.texts[0][:80]!r})"
         ) from err
+
+
+def call_reward(
+    term: RewardTerm, call: RewardCall, *, on_error: Literal["raise", "zero"] = "raise", timeout_s: float | None = None
+) -> list:
+    """A synchronous function's checked values for the batch of ``call``, limited by :func:`call_with_time_limit`."""
+    return _settle(
+        term,
+        call,
+        lambda: call_with_time_limit(call.invoke, timeout_s, term.fn),
+        lambda i: call_with_time_limit(call.row(i).invoke, timeout_s, term.fn),
+        on_error,
+        timeout_s,
+    )
+
+
+def _async_values(term: RewardTerm, outcome: AsyncOutcome, timeout_s: float | None) -> Any:
+    if outcome.blocked:
+        raise RewardError(
+            f"reward {term.spec.name!r} (async def) ran past timeout_s={timeout_s:g}s and blocked the event loop: "
+            "an async reward must await (asyncio.sleep, an async client), not block; use a plain def for blocking code"
+        )
+    if outcome.timed_out:
+        raise TimeLimitExceeded(timeout_s or 0.0)
+    if outcome.error is not None:
+        raise outcome.error
+    return outcome.value
+
+
+def _async_probe(term: RewardTerm, call: RewardCall, timeout_s: float | None) -> Callable[[int], Any]:
+    def probe(i: int) -> Any:
+        outcome = run_one(lambda: call.row(i).invoke(term.fn), timeout_s)
+        if outcome.blocked or outcome.timed_out:
+            raise TimeLimitExceeded(timeout_s or 0.0)
+        return outcome.value
+
+    return probe
+
+
+def run_terms(
+    terms: Sequence[RewardTerm],
+    call: RewardCall,
+    *,
+    on_error: Literal["raise", "zero"] = "raise",
+    timeout_s: float | None = None,
+) -> list[list]:
+    """Every term's checked values, in order. ``async def`` functions run together on the event loop
+    (``rewards/async_rewards.py``, each limited to ``timeout_s``) while the others run here one after another."""
+    asynchronous = [i for i, term in enumerate(terms) if is_async_reward(term.fn)]
+    pending = (
+        start([lambda term=terms[i]: call.invoke(term.fn) for i in asynchronous], timeout_s) if asynchronous else None
+    )
+    values: list[list | None] = [None] * len(terms)
+    try:
+        for i, term in enumerate(terms):
+            if i not in asynchronous:
+                values[i] = call_reward(term, call, on_error=on_error, timeout_s=timeout_s)
+    except BaseException:
+        if pending is not None:
+            pending.cancel()
+        raise
+    if pending is not None:
+        for i, outcome in zip(asynchronous, pending.wait(), strict=True):
+            term = terms[i]
+            values[i] = _settle(
+                term,
+                call,
+                lambda term=term, outcome=outcome: _async_values(term, outcome, timeout_s),
+                _async_probe(term, call, timeout_s),
+                on_error,
+                timeout_s,
+            )
+    return values  # type: ignore[return-value]
 
 
 def score(
     specs: Sequence[RewardSpec],
     fns: Sequence[Callable[..., list]],
-    prompts: list[str],
+    prompts: list[Any],
     completions: list[str],
     columns: dict[str, list[Any]],
     *,
     on_error: Literal["raise", "zero"] = "raise",
     timeout_s: float | None = None,
+    context: dict[str, Any] | None = None,
 ) -> tuple[list[float], dict[str, list[float | None]]]:
     """Run every (outcome) reward function; return the weighted total per completion and each function's values.
 
-    ``None`` (not applicable) counts as 0 in the total and is left out of that function's logged mean. Failures
-    are handled by :func:`call_reward`.
+    ``completions`` are texts; a function gets each as TRL passes it (``rewards/inputs.py``), with ``columns`` and
+    ``context`` (per call: ``trainer_state``, ``log_extra``, ``log_metric``). ``None`` (not applicable) is left out
+    of the total (as TRL's ``nansum``: a completion no function applies to totals 0) and out of that function's
+    logged mean. Failures are handled by :func:`call_reward`.
     """
+    call = RewardCall.of(prompts, completions, columns, context)
+    zeros = [0.0] * len(completions)
+    terms = [RewardTerm(spec, fn, _check_values, lambda: list(zeros)) for spec, fn in zip(specs, fns, strict=True)]
     per_function: dict[str, list[float | None]] = {}
     total = [0.0] * len(completions)
-    for spec, fn in zip(specs, fns, strict=True):
-        values = call_reward(
-            spec,
-            fn,
-            prompts,
-            completions,
-            columns,
-            check=_check_values,
-            zeros=lambda: [0.0] * len(completions),
-            on_error=on_error,
-            timeout_s=timeout_s,
-        )
+    for spec, values in zip(specs, run_terms(terms, call, on_error=on_error, timeout_s=timeout_s), strict=True):
         per_function[spec.name] = values
         for i, value in enumerate(values):
             if value is not None:
@@ -313,33 +294,28 @@ def _step_checker(separator: str) -> Callable[[str, Any, Sequence[str]], list[li
 def score_steps(
     specs: Sequence[RewardSpec],
     fns: Sequence[Callable[..., list]],
-    prompts: list[str],
+    prompts: list[Any],
     completions: list[str],
     columns: dict[str, list[Any]],
     *,
     on_error: Literal["raise", "zero"] = "raise",
     timeout_s: float | None = None,
+    context: dict[str, Any] | None = None,
 ) -> list[list[float]]:
     """Weighted sum of the process rewards: for each completion, one reward per step.
 
     The steps of a completion are ``completion.split(separator)``; each process reward function returns, for
-    every completion, a list with one number per step (DeepSeekMath §4.1.3 process supervision). Failures and
-    time limits are handled as for outcome rewards (:func:`call_reward`); zeros are one 0 per step.
+    every completion, a list with one number per step (DeepSeekMath §4.1.3 process supervision). Calls, failures
+    and time limits are those of outcome rewards (:func:`score`); zeros are one 0 per step.
     """
-    totals: list[list[float]] | None = None
+    call = RewardCall.of(prompts, completions, columns, context)
+    terms = []
     for spec, fn in zip(specs, fns):
         separator = step_separator(fn)
-        values = call_reward(
-            spec,
-            fn,
-            prompts,
-            completions,
-            columns,
-            check=_step_checker(separator),
-            zeros=lambda separator=separator: [[0.0] * len(c.split(separator)) for c in completions],
-            on_error=on_error,
-            timeout_s=timeout_s,
-        )
+        zeros = lambda separator=separator: [[0.0] * len(c.split(separator)) for c in completions]  # noqa: E731
+        terms.append(RewardTerm(spec, fn, _step_checker(separator), zeros))
+    totals: list[list[float]] | None = None
+    for spec, values in zip(specs, run_terms(terms, call, on_error=on_error, timeout_s=timeout_s)):
         weighted = [[spec.weight * v for v in steps] for steps in values]
         totals = weighted if totals is None else [[a + b for a, b in zip(t, w)] for t, w in zip(totals, weighted)]
     return totals or []

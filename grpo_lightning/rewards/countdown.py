@@ -13,6 +13,7 @@ from collections import Counter
 from fractions import Fraction
 
 from grpo_lightning.rewards import register
+from grpo_lightning.rewards.inputs import Completion, completion_texts
 from grpo_lightning.rewards.math import last_boxed
 
 _OPS = {ast.Add: Fraction.__add__, ast.Sub: Fraction.__sub__, ast.Mult: Fraction.__mul__, ast.Div: Fraction.__truediv__}
@@ -60,7 +61,7 @@ def extract_expression(completion: str) -> str | None:
 @register("countdown")
 def countdown_reward(
     prompts: list[str],
-    completions: list[str],
+    completions: list[Completion],
     numbers: list[list[int]],
     answer: list | None = None,
     target: list | None = None,
@@ -73,6 +74,7 @@ def countdown_reward(
     with ``use_all``) and equals the target (the ``target`` column, else ``answer``); ``format_score`` for a valid
     expression with the wrong value or numbers; 0.0 otherwise. Rows without numbers give None.
     """
+    completions = completion_texts(completions)  # a conversation's completions are message lists
     targets = target if target is not None else answer
     if targets is None:
         raise ValueError("the countdown reward needs a 'target' or 'answer' column")

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from grpo_lightning.rewards import register
+from grpo_lightning.rewards.inputs import Completion, completion_texts
 
 _STRICT = re.compile(r"<think>\n?(?P<think>.*?)\n?</think>\s*<answer>\n?(?P<answer>.*?)\n?</answer>", re.DOTALL)
 _LENIENT = re.compile(r"<think>(?P<think>.*?)</think>.*?<answer>(?P<answer>.*?)</answer>", re.DOTALL)
@@ -46,7 +47,7 @@ def r1_format_ok(completion: str, mode: Literal["strict", "lenient"] = "strict",
 @register("format")
 def r1_format(
     prompts: list[str],
-    completions: list[str],
+    completions: list[Completion],
     *,
     mode: Literal["strict", "lenient"] = "strict",
     think_in_prompt: bool = False,
@@ -57,6 +58,7 @@ def r1_format(
 
     ``mode`` and ``think_in_prompt`` are those of :func:`r1_format_ok`.
     """
+    completions = completion_texts(completions)  # a conversation's completions are message lists
     return [reward if r1_format_ok(c, mode, think_in_prompt) else 0.0 for c in completions]
 
 
@@ -85,7 +87,7 @@ def soft_overlong(length: float, max_length: int, buffer: int, penalty: float = 
 @register("overlong_penalty")
 def overlong_penalty(
     prompts: list[str],
-    completions: list[str],
+    completions: list[Completion],
     *,
     max_length: int,
     buffer: int,
@@ -101,6 +103,7 @@ def overlong_penalty(
     ``max_length`` should be the generation limit (``max_new_tokens``) and ``buffer`` the length of the
     punishment ramp, in the same unit.
     """
+    completions = completion_texts(completions)  # a conversation's completions are message lists
     if completion_lengths is not None:
         lengths = [float(n) for n in completion_lengths]
     elif tokenizer is not None:

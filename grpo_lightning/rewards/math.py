@@ -25,6 +25,7 @@ from typing import Any
 
 from grpo_lightning.rewards import register
 from grpo_lightning.rewards.combine import TimeLimitExceeded, alarm_available, time_limit
+from grpo_lightning.rewards.inputs import Completion, completion_texts
 from grpo_lightning.rewards.math_backends import Worker, check_math_kwargs, math_verify_equivalent, stop_worker
 from grpo_lightning.rewards.math_extract import DEFAULT_MODES, extract_answer, last_boxed, reference_answer
 from grpo_lightning.rewards.math_extract import read_group as _read_group
@@ -314,7 +315,7 @@ def _judge(pred: str | None, ref: str, backend: str, timeout_s: float) -> bool:
 @register("math_accuracy")
 def math_accuracy(
     prompts: list[str],
-    completions: list[str],
+    completions: list[Completion],
     answer: list,
     *,
     modes: tuple[str, ...] | list[str] = DEFAULT_MODES,
@@ -331,6 +332,7 @@ def math_accuracy(
     ``math_verify`` (Hugging Face's math-verify, the ``math`` extra) or ``either`` (1.0 when one of them accepts).
     ``timeout_s`` bounds each check (per backend).
     """
+    completions = completion_texts(completions)  # a conversation's completions are message lists
     check_math_kwargs(modes=modes, backend=backend)
     scores: list[float | None] = []
     for completion, reference in zip(completions, answer, strict=True):

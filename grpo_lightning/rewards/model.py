@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import functools
 import re
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from grpo_lightning.config import ConfigError
 from grpo_lightning.rewards import register
+from grpo_lightning.rewards.inputs import Completion, completion_texts, is_conversation, prompt_text
 
 DEFAULT_RUBRIC = (
     "You are grading an answer.\n\nQuestion:\n{prompt}\n\nAnswer:\n{completion}\n\n"
@@ -27,6 +30,11 @@ def _load(kind: str, path: str, device: str, dtype: str | None) -> tuple[Any, An
     """``(model, tokenizer)`` for a sequence classifier (``kind="classifier"``) or a causal LM, frozen."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+    from grpo_lightning.models.sources import missing_model_files
+
+    missing = missing_model_files(Path(path)) if Path(path).is_dir() else None
+    if missing:  # a half-copied folder: one line, not transformers' traceback (or random weights)
+        raise ConfigError(f"data.rewards: the {kind} folder {path!r} {missing}")
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -64,8 +72,8 @@ def _encode(tokenizer: Any, texts: list[str], max_length: int, device: str) -> A
 
 @register("reward_model")
 def reward_model(
-    prompts: list[str],
-    completions: list[str],
+    prompts: list[Any],
+    completions: list[Completion],
     *,
     model_name_or_path: str,
     batch_size: int = 8,
@@ -82,11 +90,13 @@ def reward_model(
     one, else concatenated. Inputs longer than ``max_length`` tokens lose their beginning. The reward is logit
     ``label_index``, passed through a sigmoid with ``normalize="sigmoid"``.
     """
+    completions = completion_texts(completions)  # a conversation's completions are message lists
     model, tokenizer = _load("classifier", model_name_or_path, device, dtype)
-    texts = [
-        _chat(tokenizer, [{"role": "user", "content": p}, {"role": "assistant", "content": c}], p + c, False)
-        for p, c in zip(prompts, completions, strict=True)
-    ]
+    texts = []
+    for p, c in zip(prompts, completions, strict=True):
+        # A conversation's own messages (system prompt included), else the prompt as the user turn.
+        messages = list(p) if is_conversation(p) else [{"role": "user", "content": p}]
+        texts.append(_chat(tokenizer, [*messages, {"role": "assistant", "content": c}], prompt_text(p) + c, False))
     tokenizer.truncation_side = "left"
     scores: list[float] = []
     with torch.inference_mode():
@@ -99,8 +109,8 @@ def reward_model(
 
 @register("llm_judge")
 def llm_judge(
-    prompts: list[str],
-    completions: list[str],
+    prompts: list[Any],
+    completions: list[Completion],
     *,
     model_name_or_path: str,
     rubric: str = DEFAULT_RUBRIC,
@@ -123,6 +133,7 @@ def llm_judge(
     ``scale``; ``unparsable`` when there is none). ``method="expected"`` needs a scale of single-digit integers
     (e.g. 0-9 or 1-5) and reads the next-token probabilities of the digits: the reward is their expected value.
     """
+    completions = completion_texts(completions)  # a conversation's completions are message lists
     low, high = scale
     if high <= low:
         raise ValueError(f"llm_judge scale must be (low, high) with low < high (got {scale})")
@@ -130,7 +141,7 @@ def llm_judge(
     refs = answer if answer is not None else [""] * len(prompts)
     texts = []
     for p, c, a in zip(prompts, completions, refs, strict=True):
-        question = rubric.format(prompt=p, completion=c, answer=a, low=low, high=high)
+        question = rubric.format(prompt=prompt_text(p), completion=c, answer=a, low=low, high=high)
         texts.append(_chat(tokenizer, [{"role": "user", "content": question}], question, True))
     tokenizer.padding_side, tokenizer.truncation_side = "left", "left"
     if method == "expected":

@@ -3,12 +3,14 @@
 Outcome rewards give one number per completion (their weighted total is the completion's reward); process
 rewards give one number per step. Both kinds get the same failure handling: a function that raises, returns
 something unusable or runs past ``timeout_s`` stops the run with its name, or scores 0 with ``on_error: zero``.
+Functions are called as TRL's ``GRPOTrainer`` calls them (``rewards/inputs.py``); ``async def`` ones run together.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from grpo_lightning.config import ConfigError
@@ -20,6 +22,9 @@ from grpo_lightning.rewards.combine import (
     score_steps,
     step_separator,
 )
+from grpo_lightning.rewards.inputs import RewardLog, TrainerState, prompt_text
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,6 +35,10 @@ class Scores:
     per_function: dict[str, list[float | None]]  # each outcome reward's values (None: not applicable)
     steps: list[list[float]] | None = None  # [N][steps] weighted process rewards; None without process rewards
     correct: list[bool] | None = None  # the accuracy reward >= 1; None when no outcome reward decides it
+    # [N] no reward applies: every outcome reward returned None and there is no process reward (total 0)
+    unscorable: list[bool] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)  # what the functions logged with ``log_metric``
+    extra_columns: dict[str, list[Any]] = field(default_factory=dict)  # ... and with ``log_extra``
 
 
 class Scorer:
@@ -56,7 +65,8 @@ class Scorer:
         names = [spec.name for spec in self.specs]
         if len(set(names)) != len(names):
             raise ConfigError(f"{setting} lists a reward twice: {names}")
-        fns = [spec.build() for spec in self.specs]  # an unknown name or a failing import is reported now
+        # An unknown name, a failing import or a kwargs key the function does not take is reported now.
+        fns = [spec.build(f"{setting}[{i}]") for i, spec in enumerate(self.specs)]
         self.outcome = [(s, f) for s, f in zip(self.specs, fns) if not is_process_reward(f)]
         self.process = [(s, f) for s, f in zip(self.specs, fns) if is_process_reward(f)]
         separators = {step_separator(f) for _, f in self.process}
@@ -70,19 +80,45 @@ class Scorer:
                 f"{setting.rpartition('.')[0] or 'data'}.accuracy_reward {accuracy_reward!r} is not an outcome "
                 f"reward of {setting}: {outcome_names}"
             )
-        self.on_error, self.timeout_s = on_error, timeout_s
+        self.on_error, self.timeout_s, self.setting = on_error, timeout_s, setting
+        self.trainer_state = TrainerState()  # ``trainer_state`` of every call; the rollout's driver updates it
 
     @property
     def names(self) -> list[str]:
         return [spec.name for spec in self.specs]
 
     def check_columns(self, columns: Sequence[str], where: str) -> None:
-        """Refuse data that lacks a column a reward function needs (one line naming both)."""
+        """Refuse data that lacks a column a reward function needs, or has a column named like a reward's kwargs
+        key (the column, passed at every call, would silently replace the setting); one line naming both."""
         check_required_columns(self.specs, columns, where)
+        for i, spec in enumerate(self.specs):
+            for key in spec.kwargs:
+                if key in columns:
+                    raise ConfigError(
+                        f"{self.setting}[{i}] ({spec.name}): kwargs key {key!r} is also a column of {where}, which "
+                        "every call passes and which would replace the setting; rename one of them"
+                    )
 
-    def __call__(self, prompts: list[str], completions: list[str], columns: dict[str, list[Any]]) -> Scores:
-        """Score ``completions`` (one prompt and one value of each column per completion)."""
-        options = {"on_error": self.on_error, "timeout_s": self.timeout_s}
+    def __call__(
+        self,
+        prompts: list[Any],
+        completions: list[str],
+        columns: dict[str, list[Any]],
+        *,
+        warn_unscorable: bool = True,
+    ) -> Scores:
+        """Score ``completions`` (texts; one prompt and one value of each column per completion).
+
+        ``prompts`` are texts or conversations (lists of messages). ``warn_unscorable=False`` when other reward
+        parts (an environment's) join the total, so that a completion no function applies to is not unscorable.
+        """
+        logged = RewardLog()
+        context = {
+            "trainer_state": self.trainer_state,
+            "log_extra": logged.log_extra,
+            "log_metric": logged.log_metric,
+        }
+        options = {"on_error": self.on_error, "timeout_s": self.timeout_s, "context": context}
         total, per_function = score(
             [s for s, _ in self.outcome], [f for _, f in self.outcome], prompts, completions, columns, **options
         )
@@ -94,4 +130,27 @@ class Scorer:
         correct = None
         if self.accuracy_reward is not None:
             correct = [v is not None and v >= 1.0 for v in per_function[self.accuracy_reward]]
-        return Scores(total=total, per_function=per_function, steps=steps, correct=correct)
+        unscorable = [False] * len(completions)
+        if per_function and not self.process:
+            unscorable = [all(values[i] is None for values in per_function.values()) for i in range(len(completions))]
+            if warn_unscorable and any(unscorable):
+                first = unscorable.index(True)
+                log.warning(
+                    "%d of %d completions have no applicable reward (every reward function of %s returned None), "
+                    "so they score 0 and get advantage 0, out of their group's baseline; the first: prompt %r, "
+                    "completion %r",
+                    sum(unscorable),
+                    len(unscorable),
+                    self.setting,
+                    prompt_text(prompts[first])[-80:],
+                    completions[first][:80],
+                )
+        return Scores(
+            total=total,
+            per_function=per_function,
+            steps=steps,
+            correct=correct,
+            unscorable=unscorable,
+            metrics=logged.metric_means(),
+            extra_columns=logged.columns,
+        )

@@ -45,6 +45,11 @@ class RolloutBatch:
     # calls, ...); ``completions`` then holds the final turns, which the rewards scored.
     transcripts: list[str] = field(default_factory=list)
     turn_stats: dict[str, list[float]] = field(default_factory=dict)
+    # What reward functions logged through TRL's ``log_extra`` (one value per row) and ``log_metric`` (scalars).
+    extra_columns: dict[str, list[Any]] = field(default_factory=dict)
+    reward_log: dict[str, float] = field(default_factory=dict)
+    # [N] True where no reward applied (every one returned None): out of its group's baseline, advantage 0.
+    unscorable: Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     # How the round was sampled, for the loss: the temperature of π_old (the update's log-probs use the same),
     # and the length limit (Dr. GRPO's constant normaliser).
@@ -83,6 +88,9 @@ class RolloutBatch:
                 out[f.name] = _cat_padded(values, f.name, pad_token_id)
             elif isinstance(values[0], list):
                 out[f.name] = [item for value in values for item in value]
+            elif f.name == "reward_log":  # scalars of each draw: their mean over the draws that logged them
+                names = list(dict.fromkeys(name for value in values for name in value))
+                out[f.name] = {n: sum(v[n] for v in values if n in v) / sum(n in v for v in values) for n in names}
             elif f.name in _PER_ROW_COLUMNS:
                 # Draws of one round can differ in names: an environment reports a metric or reward part only
                 # when a trajectory earned it. All names of all draws, each row filled where its draw lacked it.
@@ -200,7 +208,7 @@ def balanced_split(rows: Tensor, parts: int, lengths: Tensor) -> list[Tensor]:
     return [rows[sorted(group)] for group in groups if group]
 
 
-_PER_ROW_COLUMNS = ("reward_columns", "turn_stats")  # dicts of one value per row
+_PER_ROW_COLUMNS = ("reward_columns", "turn_stats", "extra_columns")  # dicts of one value per row
 
 
 def _column(batch: RolloutBatch, column: str, name: str) -> list[Any]:

@@ -33,19 +33,20 @@ from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.batch import LazyRound, RolloutBatch
 from grpo_lightning.rollout.checkpoint_state import datamodule_state, restore_datamodule
 from grpo_lightning.rollout.curriculum import CurriculumConfig, CurriculumSampler
+from grpo_lightning.rollout.data_sources import PromptData, checked_rows
 from grpo_lightning.rollout.multiturn import setup_environment
 from grpo_lightning.rollout.policy import EngineHandle, PolicySide
-from grpo_lightning.rollout.prompts import PromptEncoder, load_prompts, rename_prompt_column
+from grpo_lightning.rollout.prompts import load_prompts, prompt_key, prompts_as_keys  # noqa: F401 - load_prompts: kept
 from grpo_lightning.rollout.round import RoundSettings, finish_round, run_round
 from grpo_lightning.rollout.schedule import BackgroundRollouts
 from grpo_lightning.rollout.stream import PromptStream
 from grpo_lightning.strategies import gather_per_rank
-from grpo_lightning.validation import check_batch_sizes, check_prompts, check_ranges, check_round_settings
+from grpo_lightning.validation import check_ranges, check_round_settings, derive_accumulation
 
 log = logging.getLogger(__name__)
 
 
-class RolloutDataModule(LightningDataModule):
+class RolloutDataModule(PromptData, LightningDataModule):
     """Prompts from a built-in task, a local file or the Hub; a generated, scored rollout each epoch."""
 
     def __init__(
@@ -56,8 +57,11 @@ class RolloutDataModule(LightningDataModule):
         train_split: str = "train",
         val_dataset: str | None = None,
         val_split: str | None = "test",
+        val_fraction: float | None = None,
         prompt_column: str = "prompt",
-        use_chat_template: bool = False,
+        use_chat_template: bool | Literal["auto"] | None = "auto",
+        system_prompt: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         rewards: list[RewardSpec] | None = None,
         accuracy_reward: str | None = None,
         reward_on_error: Literal["raise", "zero"] = "raise",
@@ -92,10 +96,15 @@ class RolloutDataModule(LightningDataModule):
             subset: the Hub dataset's configuration name, if it has several.
             task_kwargs: options of the built-in task.
             train_split: split of ``dataset`` to train on.
-            val_dataset: held-out source (same kinds as ``dataset``); defaults to ``dataset``'s ``val_split``.
+            val_dataset: held-out source (same kinds as ``dataset``); defaults to ``dataset``'s ``val_split``, none
+                for a local file (``rollout/data_sources.py``).
             val_split: held-out split; ``None`` disables validation.
-            prompt_column: the column holding the prompt text.
-            use_chat_template: wrap each prompt in the tokenizer's chat template as a user message.
+            val_fraction: hold out this share of the training rows (drawn by ``seed``, never trained on).
+            prompt_column: the column holding the prompt: a string, or a list of ``{role, content}`` messages.
+            use_chat_template: render prompts with the tokenizer's chat template (a string as a user message);
+                ``auto``: when the tokenizer has one.
+            system_prompt: a system message put first in every prompt that has none (needs the chat template).
+            chat_template_kwargs: further arguments of ``apply_chat_template`` (e.g. ``enable_thinking: false``).
             rewards: reward terms (registered name or import path, weight, kwargs); default ``exact_answer``.
             accuracy_reward: the reward whose value >= 1 counts as correct for ``val/accuracy`` (default: the first).
             reward_on_error: ``raise`` stops the run when a reward function fails; ``zero`` scores 0 instead.
@@ -110,8 +119,8 @@ class RolloutDataModule(LightningDataModule):
             advantage: how rewards become advantages (baseline, std scaling).
             prompts_per_round: prompts per rank per round; the rollout has ``prompts_per_round × G`` completions.
             mini_batch_size: completions per optimizer step (default: the whole rollout, one step per pass).
-            micro_batch_size: completions per forward/backward; ``mini / micro`` must equal
-                ``trainer.accumulate_grad_batches``.
+            micro_batch_size: completions per forward/backward; ``mini / micro`` micro-batches make an optimizer
+                step, which sets ``trainer.accumulate_grad_batches`` (left unset, or equal to it).
             num_iterations: μ, optimisation passes over each rollout (DeepSeekMath Alg. 1).
             pack_tokens: padding-free log-prob passes (``models/packing.py``): each micro-batch's sequences laid end
                 to end in bins of this many tokens; ``auto``: bins as long as its longest sequence, when they spare
@@ -146,15 +155,15 @@ class RolloutDataModule(LightningDataModule):
         """
         super().__init__()
         check_ranges("data", locals())
-        self.source, self.subset, self.task_kwargs = dataset, subset, task_kwargs or {}
-        self.train_split, self.val_dataset, self.val_split = train_split, val_dataset, val_split
-        self.prompt_column, self.use_chat_template = prompt_column, use_chat_template
+        self.init_prompts(locals())  # the sources of the rows, the prompts' chat settings (``PromptData``)
         # Resolved now: an unknown reward, engine or answer function is reported before any model loads.
         self.scorer = Scorer(
             rewards, accuracy_reward=accuracy_reward, on_error=reward_on_error, timeout_s=reward_timeout_s
         )
         self.engine = EngineHandle(engine)
         self.environment = check_environment(environment)
+        if self.environment is not None:  # its frames (a tool result's) are rendered as the prompts are
+            self.environment.chat_template_kwargs = self.chat_template_kwargs
         if self.environment is not None and self.scorer.process:
             raise ConfigError(
                 "data.environment: process rewards (step rewards) do not combine with multi-turn rollouts yet; "
@@ -207,9 +216,6 @@ class RolloutDataModule(LightningDataModule):
         """This rank's place in the prompt stream (prompts consumed so far, over all ranks)."""
         return self.stream.position
 
-    def encoder(self) -> PromptEncoder:
-        return PromptEncoder(self.policy_side.tokenizer, self.use_chat_template)
-
     def next_prompts(self) -> dict[str, list[Any]]:
         """This rank's next ``prompts_per_round`` rows of the training data."""
         return self.stream.next_rows(self.train_data, self.trainer.global_rank, self.trainer.world_size)
@@ -227,45 +233,30 @@ class RolloutDataModule(LightningDataModule):
     def setup(self, stage: str) -> None:
         """Load and check the prompts (before any model is built): columns, prompts, lengths, batch sizes."""
         if stage == "fit" and self.train_data is None:
-            where = f"data.dataset ({self.source}, split {self.train_split})"
-            data = load_prompts(self.source, self.train_split, subset=self.subset, task_kwargs=self.task_kwargs)
-            self.train_data = self._checked(data, where)
+            self.train_data = self._checked(self.sources.training_rows(), self.sources.train_where)
             mini = self.mini_batch_size or self.rollout_size
-            check_batch_sizes(
-                self.rollout_size, mini, self.micro_batch_size or mini, self.trainer.accumulate_grad_batches
-            )
-        if self.val_split is not None and self.val_data is None:
-            source = self.val_dataset or self.source
-            setting = "data.val_dataset" if self.val_dataset else "data.dataset"
-            data = load_prompts(
-                source, self.val_split, subset=self.subset, task_kwargs=self.task_kwargs, setting=setting
-            )
-            if self.val_limit is not None:
-                data = data.select(range(min(self.val_limit, len(data))))
-            self.val_data = self._checked(data, f"validation data ({source}, split {self.val_split})")
+            derive_accumulation(self.trainer, self.rollout_size, mini, self.micro_batch_size or mini)
+        held_out = self.sources.held_out(self.val_limit) if self.val_data is None else None
+        if held_out is not None:
+            self.val_data = self._checked(*held_out)
 
     def _checked(self, data: Dataset, where: str) -> Dataset:
-        data = rename_prompt_column(data, self.prompt_column, where)
-        self.scorer.check_columns(data.column_names, where)
-        missing = [
-            c for c in (self.environment.required_columns() if self.environment else ()) if c not in data.column_names
-        ]
-        if missing:
-            raise ConfigError(f"{where} has no column {missing[0]!r}, which data.environment reads")
         module, engine = self.policy_side, self.engine.engine
         if self.environment is not None:  # a chat format it cannot tell, a limit its frame does not fit: now
             setup_environment(self.environment, module.tokenizer)
         model_context = module.context_length()
         context = engine.max_context(model_context)
-        check_prompts(
+        return checked_rows(
             data,
             where,
-            token_lengths=lambda prompts: [len(ids) for ids in self.encoder().token_ids(prompts)],
+            prompt_column=self.prompt_column,
+            encoder=self.encoder(),
+            scorer=self.scorer,
+            environment=self.environment,
             context_length=context,
             max_new_tokens=self.sampling.max_new_tokens,
             context_name="the model's context" if context == model_context else engine.context_name,
         )
-        return data
 
     # ----------------------------------------------------------------------------------------- the round
     def round_settings(self) -> RoundSettings:
@@ -291,6 +282,11 @@ class RolloutDataModule(LightningDataModule):
             correction=self.off_policy_correction,
         )
 
+    @property
+    def steps_per_round(self) -> int:
+        """Optimizer steps a round makes: μ passes over the rollout, one step per mini-batch."""
+        return self.num_iterations * (self.rollout_size // (self.mini_batch_size or self.rollout_size))
+
     def collect_round(self) -> list[dict[str, Any]]:
         """Run this round (``run_round``; at a lag, ``finish_round`` on what the background process sampled) and
         cut it into the micro-batches of μ passes."""
@@ -298,6 +294,8 @@ class RolloutDataModule(LightningDataModule):
         gather = module.all_gather if trainer.world_size > 1 else None
         per_rank = functools.partial(gather_per_rank, trainer) if trainer.world_size > 1 else None
         settings = self.round_settings()
+        # Rewards that read TRL's ``trainer_state`` see the training progress this round samples at.
+        self.scorer.trainer_state.update(trainer.global_step, trainer.current_epoch)
         with module.rollout_context():
             if self.background is not None:
                 sampled = self.background.take(self, module, trainer.current_epoch)
@@ -319,13 +317,14 @@ class RolloutDataModule(LightningDataModule):
                     per_rank=per_rank,
                 )
         if self.curriculum is not None:  # feed the round's pass rates back; adds curriculum/ metrics
-            self.curriculum.observe(
-                rollout,
-                lambda i: self.train_data[i]["prompt"],
-                self.sampling.group_size,
-                self.scorer.accuracy_reward,
-                all_gather=gather,
-            )
+            with prompts_as_keys(rollout):  # groups are matched to prompts by key: a conversation by its JSON
+                self.curriculum.observe(
+                    rollout,
+                    lambda i: prompt_key(self.train_data[i]["prompt"]),
+                    self.sampling.group_size,
+                    self.scorer.accuracy_reward,
+                    all_gather=gather,
+                )
         self.last_rollout = rollout
         mini = self.mini_batch_size or self.rollout_size
         batches = rollout.micro_batches(
@@ -369,8 +368,8 @@ class RolloutDataModule(LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader | list:
-        if self.val_split is None:
-            return []  # validation off: Lightning skips an empty loader list
+        if self.val_data is None and self.trainer is not None and self.trainer.state.fn == "fit":
+            return []  # no held-out data in fit (see setup): Lightning skips an empty loader list
         return self._eval_loader()
 
     def test_dataloader(self) -> DataLoader:
@@ -378,7 +377,7 @@ class RolloutDataModule(LightningDataModule):
 
     def _eval_loader(self) -> DataLoader:
         if self.val_data is None:
-            raise ConfigError("no held-out data: set data.val_split (and data.val_dataset for local files)")
+            raise self.sources.no_held_out_error()
         return held_out_loader(self, self.val_data, self.val_batch_size)
 
     # ------------------------------------------------------------------------------------- checkpoints

@@ -287,7 +287,11 @@ def compute_advantages(
     if batch.reward_columns:  # outcome rewards
         batch_std = None
         if config.scale == "batch" and all_gather is not None:
-            batch_std = all_gather(batch.rewards).float().flatten().std(unbiased=config.std == "sample")
+            rewards = batch.rewards.float()
+            if batch.unscorable is not None:  # NaN: left out of the batch's std, as out of the groups'
+                rewards = torch.where(batch.unscorable, torch.nan, rewards)
+            gathered = all_gather(rewards).flatten()
+            batch_std = gathered[~gathered.isnan()].std(unbiased=config.std == "sample")
         advantages = group_advantages(
             batch.rewards,
             group_size,
@@ -296,6 +300,7 @@ def compute_advantages(
             eps=config.eps,
             batch_std=batch_std,
             std=config.std,
+            scorable=~batch.unscorable if batch.unscorable is not None else None,
         )
     if batch.step_rewards is not None:  # process rewards (DeepSeekMath §4.1.3)
         per_token = process_advantages(
@@ -328,6 +333,10 @@ def rollout_metrics(batch: RolloutBatch, group_size: int, timings: dict[str, flo
         metrics[f"reward/{name}"] = sum(applicable) / len(applicable) if applicable else float("nan")
     if batch.step_rewards is not None:
         metrics["reward/process_step_mean"] = batch.step_rewards.nanmean().item()
+    if batch.unscorable is not None and batch.unscorable.any():
+        metrics["rollout/unscorable_fraction"] = batch.unscorable.float().mean().item()
+    for name, value in batch.reward_log.items():  # what reward functions logged with ``log_metric``
+        metrics[f"reward_log/{name}"] = value
     for phase, seconds in timings.items():
         metrics[f"time/{phase}"] = seconds
     if timings.get("generate"):

@@ -8,6 +8,7 @@ With an environment (``data.environment``) the engine samples multi-turn traject
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -21,10 +22,24 @@ from grpo_lightning.rollout.multiturn import generate_trajectories
 from grpo_lightning.rollout.prompts import PromptEncoder
 from grpo_lightning.rollout.steps import step_token_ends
 
+log = logging.getLogger(__name__)
+
 
 def repeat_each(values: list[Any], times: int) -> list[Any]:
     """``[a, b]`` → ``[a, a, b, b]`` for ``times=2``: one entry per completion, groups adjacent."""
     return [value for value in values for _ in range(times)]
+
+
+def logged_columns(columns: dict[str, list[Any]], rows: int) -> dict[str, list[Any]]:
+    """The ``log_extra`` columns of one value per completion; another length is dropped with a warning (it could not
+    be put beside the completions)."""
+    kept = {}
+    for name, values in columns.items():
+        if len(values) == rows:
+            kept[name] = list(values)
+        else:
+            log.warning("log_extra column %r has %d values for %d completions: not logged", name, len(values), rows)
+    return kept
 
 
 def sample_and_score(
@@ -75,9 +90,12 @@ def sample_and_score(
     prompts = repeat_each(rows["prompt"], group_size)
     columns = {name: repeat_each(values, group_size) for name, values in rows.items() if name != "prompt"}
     columns["completion_lengths"] = policy_lengths  # the policy's tokens, for length shaping
+    # Each completion's tokens without padding, as TRL passes them (rewards that count or penalise tokens).
+    ids, mask = completions.completion_ids.cpu(), completions.completion_mask.cpu().bool()
+    columns["completion_ids"] = [row[keep].tolist() for row, keep in zip(ids, mask)]
     if trajectories is not None:
         columns["transcripts"] = trajectories.transcripts  # every turn, for rewards that judge the tool use
-    scores = scorer(prompts, texts, columns)
+    scores = scorer(prompts, texts, columns, warn_unscorable=trajectories is None)
     if trajectories is not None:  # the environment's reward parts join the total, one column each
         for name, values in trajectories.env_rewards.items():
             scores.per_function[f"env_{name}"] = list(values)
@@ -98,6 +116,9 @@ def sample_and_score(
         temperature=params.temperature,
         max_new_tokens=params.max_new_tokens,
     )
+    batch.unscorable = torch.tensor(scores.unscorable or [False] * len(texts), device=batch.rewards.device)
+    batch.reward_log = dict(scores.metrics)
+    batch.extra_columns = logged_columns(scores.extra_columns, len(texts))
     if trajectories is not None:
         batch.action_mask = trajectories.action_mask
         batch.transcripts, batch.turn_stats = trajectories.transcripts, trajectories.stats

@@ -216,7 +216,7 @@ class BackgroundRollouts:
             generation_config=base.generation_config,
             dtype=next(policy.parameters()).dtype,
             tokenizer=module.tokenizer,
-            use_chat_template=datamodule.use_chat_template,
+            encoder=datamodule.encoder(module.tokenizer),
             scorer=datamodule.scorer,
             settings=datamodule.round_settings(),
             data=datamodule.train_data,
@@ -227,6 +227,7 @@ class BackgroundRollouts:
             device=device,
             threads=threads,
             autocast={"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision),
+            steps_per_round=datamodule.steps_per_round,
         )
         return RolloutWorker(spec, timeout_s=self.timeout_s)
 

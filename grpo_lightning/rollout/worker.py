@@ -55,7 +55,9 @@ class WorkerSpec:
     """The policy's ``generation_config``: its EOS ids end completions here too (``engines.base.end_token_ids``)."""
     dtype: torch.dtype
     tokenizer: Any
-    use_chat_template: bool
+    encoder: PromptEncoder
+    """The trainer's prompt encoder (its chat template settings: ``use_chat_template``, ``system_prompt``,
+    ``chat_template_kwargs``), so the worker renders every prompt as the trainer does."""
     scorer: Scorer
     settings: RoundSettings
     data: Any
@@ -68,6 +70,8 @@ class WorkerSpec:
     threads: int
     autocast: torch.dtype | None = None
     """Generation under ``torch.autocast`` with this dtype (the trainer's ``bf16-mixed``)."""
+    steps_per_round: int = 1
+    """Optimizer steps per round: rewards' ``trainer_state`` is that of the policy that samples (its version)."""
 
 
 @dataclass
@@ -178,7 +182,7 @@ def _serve(spec: WorkerSpec, requests: Any, results: Any, parent: int) -> None:
         torch.set_num_threads(spec.threads)
         model = _build_model(spec)
         spec.engine.setup(model, spec.tokenizer)
-        encoder = PromptEncoder(spec.tokenizer, spec.use_chat_template)
+        encoder = spec.encoder
         results.put(("ready", _pack(None)))
     except BaseException as err:  # noqa: BLE001 - reported to the trainer, which raises it
         results.put(("error", _pack(_sendable(err))))
@@ -230,6 +234,8 @@ def _sample(spec: WorkerSpec, encoder: PromptEncoder, round_index: int) -> Finis
         if spec.autocast is not None
         else contextlib.nullcontext()
     )
+    version = int(spec.engine.weights_version or 0)  # the rounds the sampling policy was trained for
+    spec.scorer.trainer_state.update(version * spec.steps_per_round, version)
     with autocast:
         sampled = sample_round(
             lambda: spec.stream.next_rows(spec.data, spec.rank, spec.world_size),
