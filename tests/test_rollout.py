@@ -314,7 +314,10 @@ def test_advantage_std_setting_reaches_the_round(tmp_path, std, expected):
     attach(module, data, quiet_trainer(tmp_path))
     module.configure_model()
     batch = SimpleNamespace(
-        rewards=torch.tensor([1.0, 0.0, 0.0, 0.0]), reward_columns={"r": [1.0, 0.0, 0.0, 0.0]}, step_rewards=None
+        rewards=torch.tensor([1.0, 0.0, 0.0, 0.0]),
+        reward_columns={"r": [1.0, 0.0, 0.0, 0.0]},
+        step_rewards=None,
+        unscorable=None,
     )
     advantages = compute_advantages(batch, data.round_settings(), None)
     assert advantages[0].item() == pytest.approx(expected, rel=1e-6)

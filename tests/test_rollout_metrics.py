@@ -162,14 +162,18 @@ def test_every_rank_takes_the_names_of_all_ranks() -> None:
     """This rank called no tool; another one did: this rank's rows count 0 calls and 0 bonus, and it summarises
     (and so logs) the same metrics, in the same order (HEAD: no ``per_rank``, the names stayed this rank's)."""
     asked: list[dict[str, list[str]]] = []
-    other = {"reward_columns": ["metrics_spread_on_odd", "env_bonus"], "turn_stats": [*BASE_STATS, "tool_calls"]}
+    other = {
+        "reward_columns": ["metrics_spread_on_odd", "env_bonus"],
+        "turn_stats": [*BASE_STATS, "tool_calls"],
+        "extra_columns": [],
+    }
 
     def per_rank(names: dict[str, list[str]]) -> list[dict[str, list[str]]]:
         asked.append(names)
         return [other, names]  # rank 0 called a tool; this is rank 1
 
     batch = round_of([["1+1=", "2+2="]], ToolOnSome(), dynamic=False, per_rank=per_rank)
-    assert asked == [{"reward_columns": ["metrics_spread_on_odd"], "turn_stats": BASE_STATS}]  # one collective
+    assert asked == [{"reward_columns": ["metrics_spread_on_odd"], "turn_stats": BASE_STATS, "extra_columns": []}]
     assert {column: list(getattr(batch, column)) for column in other} == other
     assert batch.turn_stats["tool_calls"] == [0.0] * 4 and batch.reward_columns["env_bonus"] == [0.0] * 4
     assert batch.metrics["rollout/tool_calls_mean"] == 0.0 and batch.metrics["reward/env_bonus"] == 0.0

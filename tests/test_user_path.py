@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import re
 import subprocess
@@ -20,11 +21,11 @@ import pytest
 import torch
 from conftest import TINY, quiet_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_cli import TINY_CONFIG, run_cli, write_config
+from test_cli import TINY_CONFIG, write_config
 
 from grpo_lightning import GRPOModule, RolloutDataModule, SamplingConfig
 from grpo_lightning.callbacks import RoundCheckpoint, RoundLog
-from grpo_lightning.cli import default_checkpoint
+from grpo_lightning.cli import default_checkpoint, main
 from grpo_lightning.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +39,11 @@ def policy_weights(path: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if k.startswith("policy.")}
 
 
-def test_a_config_without_a_checkpoint_callback_leaves_last_ckpt_which_resumes_exactly(tmp_path):
+def test_a_config_without_a_checkpoint_callback_leaves_last_ckpt_which_resumes_exactly(
+    tmp_path, monkeypatch, capsys, caplog
+):
+    """In process (``cli.main``, as ``python -m grpo_lightning`` runs it): 2 rounds, and 1 + 1 resumed with
+    ``--ckpt_path last``, end with the same weights bit for bit."""
     config = json.loads(json.dumps(TINY_CONFIG))
     config["trainer"].pop("enable_checkpointing", None)
     config["trainer"]["check_val_every_n_epoch"] = 100  # validated only at the end: Lightning's default saved nothing
@@ -46,28 +51,30 @@ def test_a_config_without_a_checkpoint_callback_leaves_last_ckpt_which_resumes_e
         "def char_sum(prompts, completions, **_):\n    return [float(sum(map(ord, c)) % 5) for c in completions]\n"
     )
     config["data"]["rewards"] = [{"name": "path_rewards.char_sum"}]
-    cfg = write_config(tmp_path / "c.yaml", config)
+    cfg = str(write_config(tmp_path / "c.yaml", config))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("WANDB_MODE", "offline")
 
-    whole = run_cli("fit", "--config", str(cfg), "--trainer.max_epochs", "2", "--trainer.default_root_dir", "whole",
-                    cwd=tmp_path)  # fmt: skip
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    assert "no checkpoint callback in the config: saving" in whole.stderr + whole.stdout
+    def fit(rounds: int, root: str, *extra: str) -> str:
+        main(["fit", "--config", cfg, "--trainer.max_epochs", str(rounds), "--trainer.default_root_dir", root, *extra])
+        captured = capsys.readouterr()
+        return captured.out + captured.err
+
+    with caplog.at_level(logging.INFO):
+        fit(2, "whole")
+    assert "no checkpoint callback in the config: saving" in caplog.text
     assert sorted(p.name for p in (tmp_path / "whole" / "checkpoints").iterdir()) == ["last.ckpt"]
-
-    half = run_cli("fit", "--config", str(cfg), "--trainer.max_epochs", "1", "--trainer.default_root_dir", "split",
-                   cwd=tmp_path)  # fmt: skip
-    assert half.returncode == 0, half.stderr[-3000:]
+    fit(1, "split")
     last = tmp_path / "split" / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=False, map_location="cpu")["global_step"] == 1  # at the end
-    resumed = run_cli("fit", "--config", str(cfg), "--trainer.max_epochs", "2", "--trainer.default_root_dir", "split",
-                      "--ckpt_path", "last", cwd=tmp_path)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    output = fit(2, "split", "--ckpt_path", "last")
     expected, got = policy_weights(tmp_path / "whole" / "checkpoints" / "last.ckpt"), policy_weights(last)
     assert expected.keys() == got.keys() and expected
     assert all(torch.equal(expected[k], got[k]) for k in expected), "1 + 1 resumed rounds differ from 2"
     # The captured output is not a terminal: one plain line per round, no progress bar.
-    lines = [line for line in resumed.stderr.splitlines() if line.startswith("round ")]
-    assert [ROUND_LINE.match(line).group(1, 2) for line in lines] == [("2", "2")], resumed.stderr[-2000:]
+    lines = [line for line in output.splitlines() if line.startswith("round ")]
+    assert [ROUND_LINE.match(line).group(1, 2) for line in lines] == [("2", "2")], output[-2000:]
 
 
 def test_the_default_checkpoint_respects_the_config():
