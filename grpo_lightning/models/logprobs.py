@@ -191,7 +191,7 @@ def _lean_logprobs(
     stats = layer_logprobs(
         model.lm_head, picked, labels.flatten().index_select(0, positions), temperature, with_entropy, chunk_size
     )
-    return stats.new_zeros(labels.numel(), stats.size(-1)).index_copy(0, positions, stats).view(*labels.shape, -1)
+    return _placed(labels, positions)(stats)
 
 
 def completion_logprobs(

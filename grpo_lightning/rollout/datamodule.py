@@ -282,11 +282,6 @@ class RolloutDataModule(PromptData, LightningDataModule):
             correction=self.off_policy_correction,
         )
 
-    @property
-    def steps_per_round(self) -> int:
-        """Optimizer steps a round makes: μ passes over the rollout, one step per mini-batch."""
-        return self.num_iterations * (self.rollout_size // (self.mini_batch_size or self.rollout_size))
-
     def collect_round(self) -> list[dict[str, Any]]:
         """Run this round (``run_round``; at a lag, ``finish_round`` on what the background process sampled) and
         cut it into the micro-batches of μ passes."""

@@ -227,7 +227,6 @@ class BackgroundRollouts:
             device=device,
             threads=threads,
             autocast={"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision),
-            steps_per_round=datamodule.steps_per_round,
         )
         return RolloutWorker(spec, timeout_s=self.timeout_s)
 

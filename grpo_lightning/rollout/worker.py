@@ -70,8 +70,6 @@ class WorkerSpec:
     threads: int
     autocast: torch.dtype | None = None
     """Generation under ``torch.autocast`` with this dtype (the trainer's ``bf16-mixed``)."""
-    steps_per_round: int = 1
-    """Optimizer steps per round: rewards' ``trainer_state`` is that of the policy that samples (its version)."""
 
 
 @dataclass
@@ -235,7 +233,7 @@ def _sample(spec: WorkerSpec, encoder: PromptEncoder, round_index: int) -> Finis
         else contextlib.nullcontext()
     )
     version = int(spec.engine.weights_version or 0)  # the rounds the sampling policy was trained for
-    spec.scorer.trainer_state.update(version * spec.steps_per_round, version)
+    spec.scorer.trainer_state.update(version * spec.settings.optimizer_steps, version)
     with autocast:
         sampled = sample_round(
             lambda: spec.stream.next_rows(spec.data, spec.rank, spec.world_size),
