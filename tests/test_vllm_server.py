@@ -255,18 +255,20 @@ def test_a_server_killed_mid_round_then_restarted_is_named_and_never_sampled_fro
 
 # ------------------------------------------------------------------------------------------------- training
 class KillServer(Callback):
-    """Kills ``server`` once round ``after`` is over (its checkpoint written right after this hook)."""
+    """Kills ``server`` (SIGKILL) mid-round: once round ``after`` + 1 has begun, its checkpoint of round ``after``
+    written. Listed after ``OldPolicySync``: at a lag of 0 the round's push has reached the server and its
+    generation then meets a dead one; at a lag of 1 the round's push (of the round after it) does."""
 
     def __init__(self, server: Server, after: int) -> None:
         self.server, self.after = server, after
 
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        if trainer.current_epoch + 1 == self.after:
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == self.after:
             self.server.kill()
 
 
 @pytest.mark.parametrize("lag", [0, 1])
-def test_a_run_whose_server_dies_stops_in_one_line_and_resumes_as_if_uninterrupted(tiny_server, tmp_path, lag):
+def test_a_run_whose_server_dies_stops_in_one_line_and_resumes_as_if_uninterrupted(tiny_server, tmp_path, lag, caplog):
     from test_resume import fit
     from test_vllm import VLLM_TINY
 
@@ -278,6 +280,7 @@ def test_a_run_whose_server_dies_stops_in_one_line_and_resumes_as_if_uninterrupt
     with pytest.raises(ServerError, match=rf"the vLLM server {tiny_server.url} ") as err:
         fit(run, 6, tiny=VLLM_TINY, engine=engine(), rollout_lag=lag, extra=[KillServer(tiny_server, after=3)])
     assert "\n" not in str(err.value)
+    assert f"round 3 is saved in {run / 'last.ckpt'}" in caplog.text  # what the run says before it stops
     checkpoint = torch.load(run / "last.ckpt", weights_only=False)
     assert checkpoint["epoch"] == 2  # round 3's, intact
     tiny_server.start()  # back, with its folder's weights: the resumed run pushes the checkpoint's first
