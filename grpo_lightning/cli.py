@@ -36,6 +36,7 @@ from grpo_lightning.guard import NonFiniteError
 from grpo_lightning.lora import LoraConfig
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.module import GRPOModule
+from grpo_lightning.renamed_keys import PARSER_MODE, migrate_command_line
 from grpo_lightning.rewards import RewardError, RewardSpec
 from grpo_lightning.rollout.curriculum import CurriculumConfig
 from grpo_lightning.rollout.datamodule import RolloutDataModule
@@ -92,12 +93,20 @@ class GRPOCLI(LightningCLI):
         self.command_line = (
             list(sys.argv[1:] if argv is None else argv) if isinstance(argv, (list, type(None))) else None
         )
+        if self.command_line is not None:  # flags of keys that moved (``renamed_keys``), spelled as now
+            self.command_line = migrate_command_line(self.command_line)
+            if argv is None:
+                sys.argv[1:] = self.command_line
+            else:
+                kwargs["args"] = self.command_line
         check_ckpt_file(self.command_line)
         super().__init__(*args, **kwargs)
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
-        """Parsers that raise on a bad setting (``main`` prints one line) instead of printing the whole usage."""
+        """Parsers that raise on a bad setting (``main`` prints one line) instead of printing the whole usage, and
+        read the keys of earlier layouts (``renamed_keys``) with a warning."""
         kwargs.setdefault("exit_on_error", False)
+        kwargs.setdefault("parser_mode", PARSER_MODE)
         return super().init_parser(**kwargs)
 
     def before_instantiate_classes(self) -> None:

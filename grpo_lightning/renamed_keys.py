@@ -1,0 +1,140 @@
+"""Config keys that moved: still read, for one release, with a one-line warning naming the new key.
+
+Config keys are public API: a YAML written for an earlier layout keeps working. The rollout side of the algorithm
+(sampling, rewards, advantages, μ, evaluation) moved from ``model`` to ``data`` when the rollout became the
+DataModule's. ``migrate`` moves the old keys of a loaded YAML document (a ``--config`` file, or a whole config
+given inline) to their places; ``migrate_command_line`` does the same for ``--model.sampling.group_size 4``-style
+flags. The CLI's parsers read every document through ``migrate`` (the ``grpo_yaml`` parser mode below).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jsonargparse
+import yaml
+from lightning.pytorch.utilities import rank_zero_only
+
+from grpo_lightning.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+REMOVED_IN = "0.2.0"  # the release that stops reading them
+
+# old key -> its place now
+RENAMED: dict[str, str] = {
+    "model.sampling": "data.sampling",
+    "model.rewards": "data.rewards",
+    "model.accuracy_reward": "data.accuracy_reward",
+    "model.reward_on_error": "data.reward_on_error",
+    "model.reward_timeout_s": "data.reward_timeout_s",
+    "model.use_chat_template": "data.use_chat_template",
+    "model.seed": "data.seed",  # the sampling generator's seed; data.seed seeds it (and the prompt order) now
+    "model.eval_num_samples": "data.eval.num_samples",
+    "model.eval_temperature": "data.eval.temperature",
+    "model.eval_pass_k": "data.eval.pass_k",
+    "model.eval_answer_fn": "data.eval.answer_fn",
+    "model.objective.num_iterations": "data.num_iterations",
+    "model.objective.old_logprobs": "data.old_logprobs",
+    "model.objective.mask_truncated_completions": "data.mask_truncated_completions",
+    "model.objective.advantage_baseline": "data.advantage.baseline",
+    "model.objective.advantage_scale": "data.advantage.scale",
+    "model.objective.advantage_std": "data.advantage.std",
+    "model.objective.advantage_eps": "data.advantage.eps",
+}
+
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
+PARSER_MODE = "grpo_yaml"
+_warned: set[str] = set()  # each key once per process (the CLI may parse the same command line twice)
+
+
+def warn_renamed(old: str, new: str) -> None:
+    """One line, once per process, on rank 0."""
+    if old in _warned:
+        return
+    _warned.add(old)
+    if rank_zero_only.rank == 0:
+        log.warning(
+            "deprecated: %s is now %s; the old key is read until grpo_lightning %s, rename it", old, new, REMOVED_IN
+        )
+
+
+def migrate(document: Any) -> Any:
+    """``document`` (a loaded YAML config, or a subcommand's part of one) with every key of ``RENAMED`` moved to its
+    new place; anything else is returned unchanged. Both the old key and its new one set to different values is
+    refused in one line."""
+    if not isinstance(document, dict):
+        return document
+    for name in SUBCOMMANDS:  # a config for the whole command line: `--config all.yaml fit`
+        if isinstance(document.get(name), dict):
+            migrate(document[name])
+    if not isinstance(document.get("model"), dict):
+        return document
+    for old, new in RENAMED.items():
+        found, value = _pop(document, old.split("."))
+        if not found:
+            continue
+        parent = _settings(document, new.split(".")[:-1], create=True)
+        leaf = new.rsplit(".", 1)[1]
+        if parent is None:  # e.g. `data: data.yaml`: the old key cannot be merged into a file name here
+            raise ConfigError(f"{old} is deprecated and cannot be moved to {new} here: set {new} instead")
+        if leaf in parent and parent[leaf] != value:
+            raise ConfigError(f"{old} (deprecated, now {new}) and {new} are both set, differently: keep only {new}")
+        parent[leaf] = value
+        warn_renamed(old, new)
+    return document
+
+
+def migrate_command_line(argv: list[str]) -> list[str]:
+    """``argv`` with every ``--old.key[.sub][=value]`` flag of ``RENAMED`` spelled with its new key."""
+    out = []
+    for token in argv:
+        if token.startswith("--"):
+            name, eq, value = token[2:].partition("=")
+            for old, new in RENAMED.items():
+                if name == old or name.startswith(old + "."):
+                    warn_renamed(old, new)
+                    token = f"--{new}{name[len(old) :]}{eq}{value}"
+                    break
+        out.append(token)
+    return out
+
+
+def _settings(document: dict, path: list[str], *, create: bool = False) -> dict | None:
+    """The mapping of settings at ``path`` (inside its ``init_args`` when given as ``{class_path, init_args}``),
+    created when missing with ``create``; None when it is missing or not a mapping."""
+    node: Any = document
+    for key in path:
+        child = node.get(key)
+        if child is None and create:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            return None
+        if "class_path" in child:
+            if not isinstance(child.get("init_args"), dict):
+                if not create:
+                    return None
+                child["init_args"] = {}
+            child = child["init_args"]
+        node = child
+    return node
+
+
+def _pop(document: dict, path: list[str]) -> tuple[bool, Any]:
+    parent = _settings(document, path[:-1])
+    if parent is None or path[-1] not in parent:
+        return False, None
+    return True, parent.pop(path[-1])
+
+
+_yaml_load = jsonargparse.get_loader("yaml")
+
+
+def _load(text: str) -> Any:
+    return migrate(_yaml_load(text))
+
+
+# jsonargparse's own YAML loading, then the old keys moved: the parser mode of the CLI's parsers (``cli.GRPOCLI``).
+# Dumping (the run's config.yaml) falls back to jsonargparse's YAML, in the new layout.
+jsonargparse.set_loader(PARSER_MODE, _load, exceptions=(yaml.YAMLError,))
