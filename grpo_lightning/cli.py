@@ -21,10 +21,9 @@ from lightning import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
-from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from grpo_lightning.callbacks.checkpointing import RoundCheckpoint
+from grpo_lightning.callbacks.checkpointing import default_checkpoint
 from grpo_lightning.callbacks.policy_sync import OldPolicySync
 from grpo_lightning.callbacks.round_log import RoundLog, is_terminal
 from grpo_lightning.callbacks.wandb_logger import LoggerSaveConfigCallback
@@ -183,37 +182,6 @@ class SFTCLI(GRPOCLI):
 
     def before_fit(self) -> None:
         pass
-
-
-DEFAULT_CHECKPOINT_ROUNDS = 10
-"""A config without a checkpoint callback saves ``last.ckpt`` every this many rounds (and at the end, and on
-SIGTERM)."""
-
-
-def default_checkpoint(trainer: Any, callbacks: list[Any], *, rounds: bool) -> ModelCheckpoint | None:
-    """The checkpoint callback of a config that names none, so that no run ends with nothing saved.
-
-    Lightning's own default saves at validation when validation is not every epoch: a run validated only at its
-    end saved nothing before it. This one keeps ``<default_root_dir>/checkpoints/last.ckpt`` (``--ckpt_path last``
-    resumes it): for GRPO a ``RoundCheckpoint`` (every ``DEFAULT_CHECKPOINT_ROUNDS`` rounds, at the end, and the
-    last completed round on SIGTERM), for SFT (``rounds=False``) a ``ModelCheckpoint`` at every epoch's end. None
-    when the config has a checkpoint callback or ``trainer.enable_checkpointing: false``.
-    """
-    if trainer.get("enable_checkpointing") is False or any(isinstance(c, ModelCheckpoint) for c in callbacks):
-        return None
-    folder = os.path.join(str(trainer.get("default_root_dir") or os.getcwd()), "checkpoints")
-    if rounds:
-        every = DEFAULT_CHECKPOINT_ROUNDS
-        checkpoint: ModelCheckpoint = RoundCheckpoint(dirpath=folder, every_n_rounds=every, save_top_k=0)
-        when = f"every {every} rounds, at the end and on SIGTERM"
-    else:
-        checkpoint = ModelCheckpoint(dirpath=folder, save_top_k=0, save_last=True, save_on_train_epoch_end=True)
-        when = "at every epoch's end"
-    rank_zero_info(
-        f"no checkpoint callback in the config: saving {folder}/last.ckpt {when} (resume with --ckpt_path last; "
-        "trainer.enable_checkpointing: false turns this off)"
-    )
-    return checkpoint
 
 
 def check_ckpt_file(command_line: list[str] | None) -> None:

@@ -25,7 +25,8 @@ from test_cli import TINY_CONFIG, write_config
 
 from grpo_lightning import GRPOModule, RolloutDataModule, SamplingConfig
 from grpo_lightning.callbacks import RoundCheckpoint, RoundLog
-from grpo_lightning.cli import default_checkpoint, main
+from grpo_lightning.callbacks.checkpointing import default_checkpoint
+from grpo_lightning.cli import main
 from grpo_lightning.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
