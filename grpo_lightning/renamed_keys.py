@@ -45,6 +45,9 @@ RENAMED: dict[str, str] = {
 }
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
+# The top-level keys of a whole config: a document with any other key is a setting's value (say, an engine's
+# init_args given inline) and is never rewritten, even when it happens to hold a ``model`` mapping.
+CONFIG_KEYS = {"model", "data", "trainer", "seed_everything", "ckpt_path", "optimizer", "lr_scheduler", *SUBCOMMANDS}
 PARSER_MODE = "grpo_yaml"
 _warned: set[str] = set()  # each key once per process (the CLI may parse the same command line twice)
 
@@ -64,7 +67,7 @@ def migrate(document: Any) -> Any:
     """``document`` (a loaded YAML config, or a subcommand's part of one) with every key of ``RENAMED`` moved to its
     new place; anything else is returned unchanged. Both the old key and its new one set to different values is
     refused in one line."""
-    if not isinstance(document, dict):
+    if not isinstance(document, dict) or not set(document) <= CONFIG_KEYS:
         return document
     for name in SUBCOMMANDS:  # a config for the whole command line: `--config all.yaml fit`
         if isinstance(document.get(name), dict):

@@ -175,6 +175,8 @@ def test_migrate_reads_class_path_forms_and_a_config_for_the_whole_command_line(
     untouched = {"model": {"objective": {"beta": 0.0}}, "data": {"seed": 1}}
     assert migrate(yaml.safe_load(yaml.safe_dump(untouched))) == untouched
     assert migrate([1, 2]) == [1, 2] and migrate("text") == "text"
+    value = {"base_url": "http://x", "model": {"seed": 3}}  # a setting's value, not a config: never rewritten
+    assert migrate(yaml.safe_load(yaml.safe_dump(value))) == value
 
 
 def test_an_old_key_that_cannot_be_moved_is_refused_rather_than_dropped():
