@@ -89,17 +89,24 @@ def migrate(document: Any) -> Any:
     return document
 
 
+def respell(key: str) -> tuple[str, str] | None:
+    """``(old, key as spelled now)`` when the dotted ``key`` is an old key of ``RENAMED`` or lies under one
+    (``model.sampling.group_size`` -> ``data.sampling.group_size``); None otherwise."""
+    for old, new in RENAMED.items():
+        if key == old or key.startswith(old + "."):
+            return old, new + key[len(old) :]
+    return None
+
+
 def migrate_command_line(argv: list[str]) -> list[str]:
     """``argv`` with every ``--old.key[.sub][=value]`` flag of ``RENAMED`` spelled with its new key."""
     out = []
     for token in argv:
         if token.startswith("--"):
             name, eq, value = token[2:].partition("=")
-            for old, new in RENAMED.items():
-                if name == old or name.startswith(old + "."):
-                    warn_renamed(old, new)
-                    token = f"--{new}{name[len(old) :]}{eq}{value}"
-                    break
+            if found := respell(name):
+                warn_renamed(found[0], RENAMED[found[0]])
+                token = f"--{found[1]}{eq}{value}"
         out.append(token)
     return out
 

@@ -42,7 +42,7 @@ from typing import Any
 import pytest
 import yaml
 
-from grpo_lightning.renamed_keys import RENAMED
+from grpo_lightning.renamed_keys import respell
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
@@ -439,10 +439,8 @@ def resolve(segments: tuple, sft: bool, context: dict) -> str | None:
     dotted = ".".join(str(s) for s in segments if not isinstance(s, int))
     if dotted in PENDING_KEYS or any(dotted.startswith(p + ".") for p in PENDING_KEYS):
         return None
-    for old, new in RENAMED.items():  # a deprecated key still read (``renamed_keys``): it exists where it moved
-        if dotted == old or dotted.startswith(old + "."):
-            named = tuple(s for s in segments if not isinstance(s, int))
-            return resolve((*new.split("."), *named[len(old.split(".")) :]), sft, context)
+    if found := respell(dotted):  # a deprecated key still read (``renamed_keys``): it exists where it moved
+        return resolve(tuple(found[1].split(".")), sft, context)
     head, rest = segments[0], segments[1:]
     sections = _sections(sft)
     if head not in sections:
