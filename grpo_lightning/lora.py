@@ -26,7 +26,8 @@ class LoraConfig:
     target_modules: str | list[str] = "all-linear"
     """Layers that get adapters: ``all-linear`` (every linear layer but the output layer) or a list of names."""
     modules_to_save: list[str] = field(default_factory=list)
-    """Layers trained in full next to the adapters (e.g. ``[lm_head]``); they then need a copy each."""
+    """Layers trained in full next to the adapters (e.g. ``[lm_head]``); they then need a copy each. On a model
+    whose output layer shares the input embedding (tied), naming either trains the one shared copy."""
 
     def __post_init__(self) -> None:
         if self.r < 1:
@@ -44,6 +45,16 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> nn.Module:
         from peft import get_peft_model
     except ImportError as err:
         raise ConfigError("model.lora needs PEFT: pip install 'grpo_lightning[lora]'") from err
+    tying = {}
+    if config.modules_to_save and _ties_embeddings(model):
+        # Without it PEFT trains a copy of lm_head apart from embed_tokens: the model is untied while its config
+        # still says tied, so vLLM (which skips lm_head.weight for tied models) and a saved folder lose the copy.
+        if "ensure_weight_tying" not in getattr(PeftLoraConfig, "__dataclass_fields__", {}):
+            raise ConfigError(
+                "model.lora.modules_to_save on a model with tied word embeddings needs a PEFT that keeps them tied "
+                "(ensure_weight_tying): pip install -U peft"
+            )
+        tying["ensure_weight_tying"] = True
     peft_config = PeftLoraConfig(
         r=config.r,
         lora_alpha=config.alpha,
@@ -51,8 +62,18 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> nn.Module:
         target_modules=config.target_modules,
         modules_to_save=list(config.modules_to_save) or None,
         task_type="CAUSAL_LM",
+        **tying,
     )
     return get_peft_model(model, peft_config)
+
+
+def _ties_embeddings(model: nn.Module) -> bool:
+    """Whether the output layer's weight is the input embedding's (``tie_word_embeddings``)."""
+    try:
+        output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return False
+    return output is not None and embedding is not None and output.weight is embedding.weight
 
 
 def is_peft_model(model: nn.Module | None) -> bool:

@@ -145,6 +145,27 @@ def check_round_settings(
         )
 
 
+def check_weights_can_leave(strategy: Any, engine: Any, rollout_lag: int) -> None:
+    """Refuse, before training, a strategy whose weights cannot be sent to a copy outside the trainer.
+
+    DeepSpeed ZeRO-3 partitions every parameter across the processes (each holds an empty placeholder); an
+    engine with its own copy of the weights (vLLM, vLLM servers) or the background process of a rollout lag would
+    be sent those placeholders. FSDP2 gathers one weight at a time for such a push; ZeRO-2 keeps full weights.
+    """
+    if not getattr(strategy, "zero_stage_3", False):
+        return
+    if not engine.shares_weights:
+        who = f"data.engine {engine.name} holds its own copy of the weights"
+    elif rollout_lag > 0:
+        who = "data.rollout_lag > 0 sends the weights to a background process"
+    else:
+        return
+    raise ConfigError(
+        f"trainer.strategy: DeepSpeed ZeRO-3 partitions the weights, and {who}, which cannot take them; use "
+        "configs/strategies/fsdp.yaml (FSDP2 gathers one weight at a time for the push) or DeepSpeed stage 2"
+    )
+
+
 def check_setting_ranges(config: Any) -> None:
     """``check_ranges`` for every section of a parsed config (one subcommand's: ``model``, ``data``, ``trainer``)."""
     for section in ("model", "data", "trainer"):

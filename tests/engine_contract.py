@@ -26,6 +26,9 @@ from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, bu
 from grpo_lightning.rollout.prompts import PromptEncoder
 
 PROMPTS = ["12+34=", "5+6=", "99+99=", "7="]  # different lengths: left padding
+# Longer than two of the test engines' 32-token KV blocks (and within their 128-token context): vLLM's prefix cache
+# holds whole blocks only, so these are what it serves from the cache when seen again.
+LONG_PROMPTS = ["+".join(map(str, range(30))) + "=", "*".join(map(str, range(40, 64))) + "="]
 
 
 def check_greedy_equals_generate(engine: RolloutEngine, model: torch.nn.Module, tokenizer) -> None:
@@ -312,3 +315,20 @@ def check_min_new_tokens_and_stop_sequences(engine: RolloutEngine, model: torch.
     check_rows_end_by_the_rule(out, model_end_ids(model, tokenizer), stops, 3, 10, tokenizer.pad_token_id)
     early = [ids[:3].count(likely) for ids in out.completion_ids.tolist()]
     assert sum(early) >= 5  # drawn before the minimum (so not banned), and those completions went on
+
+
+def lora_with_a_trained_copy(model: torch.nn.Module, modules: tuple[str, ...] = ("lm_head",), seed: int = 0):
+    """``model`` (a copy) with LoRA adapters and ``modules_to_save`` layers (``model.lora``'s own wrapping), whose
+    trained copies have moved while the adapters are still at zero: only the copies make it differ from
+    ``model``, so an engine that shows the difference received them (under names it knows)."""
+    import copy
+
+    from grpo_lightning.lora import LoraConfig, apply_lora
+
+    wrapped = apply_lora(copy.deepcopy(model), LoraConfig(r=4, alpha=8, modules_to_save=list(modules))).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in wrapped.named_parameters():
+            if ".modules_to_save." in name:
+                parameter.add_(0.5 * parameter.std() * torch.randn(parameter.shape, generator=generator))
+    return wrapped

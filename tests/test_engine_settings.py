@@ -9,6 +9,8 @@ shorter than the model's (vLLM's ``max_model_len``) is checked against the promp
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import TINY, quiet_trainer
@@ -18,6 +20,7 @@ from grpo_lightning.config import ConfigError
 from grpo_lightning.engines import LeanEngine
 from grpo_lightning.rewards import RewardSpec, register
 from grpo_lightning.rollout.round import run_round
+from grpo_lightning.validation import check_weights_can_leave
 
 
 @register("test_filtered_length")
@@ -109,7 +112,44 @@ def test_an_engines_context_shorter_than_the_data_needs_is_refused_before_traini
         task_kwargs={"test_size": 10},
     )
     trainer = quiet_trainer(tmp_path, max_epochs=1)
-    with pytest.raises(ConfigError, match=r"max_new_tokens=8 exceed the short engine's limit \(data.engine.init_args"
-                       r".limit\) of 12 tokens; shorten the prompts or lower max_new_tokens, or raise it"):
+    with pytest.raises(
+        ConfigError,
+        match=r"max_new_tokens=8 exceed the short engine's limit \(data.engine.init_args"
+        r".limit\) of 12 tokens; shorten the prompts or lower max_new_tokens, or raise it",
+    ):
         trainer.fit(module, datamodule=data)
     assert trainer.global_step == 0 and not data.engine.engine.is_setup  # refused before any rollout
+
+
+class ZeRO3(SimpleNamespace):
+    """What the data side reads of Lightning's ``DeepSpeedStrategy`` at stage 3 (DeepSpeed itself is CUDA-only)."""
+
+    zero_stage_3 = True
+
+
+@pytest.mark.parametrize(
+    ("engine", "lag", "refused"),
+    [("vllm_server", 0, "data.engine vllm_server holds its own copy"), ("lean", 1, "data.rollout_lag > 0")],
+)
+def test_deepspeed_zero3_weights_are_refused_where_they_must_leave_the_trainer(engine, lag, refused):
+    """ZeRO-3 partitions every weight: an engine with its own copy, or a background process at a lag, would be sent
+    empty placeholders. Refused when the data is set up (before any model is built); the built-in engine at lag 0,
+    which samples from the trainer's own (gathered) weights, is not."""
+    data = RolloutDataModule(engine=engine, rollout_lag=lag, val_split=None, task_kwargs={"test_size": 20})
+    data.trainer = SimpleNamespace(strategy=ZeRO3(), accumulate_grad_batches=1)
+    message = rf"^trainer.strategy: DeepSpeed ZeRO-3 partitions the weights, and {refused}"
+    with pytest.raises(ConfigError, match=message):
+        data.setup("fit")
+    assert data.train_data is None  # before the prompts, let alone the model
+    check_weights_can_leave(ZeRO3(), LeanEngine(), 0)  # sampled from the trainer's own weights: accepted
+    check_weights_can_leave(SimpleNamespace(), data.engine.engine, lag)  # another strategy: accepted
+
+
+def test_partitioned_weights_never_leave_one_by_one():
+    from grpo_lightning.engines.weights import policy_weights
+    from grpo_lightning.models.tiny import build_char_tokenizer, build_tiny_llama
+
+    model = build_tiny_llama(TINY, build_char_tokenizer())
+    next(model.parameters()).ds_id = 0  # how ZeRO-3 marks a partitioned parameter
+    with pytest.raises(RuntimeError, match="ZeRO-3 weights are partitioned"):
+        next(policy_weights(model))

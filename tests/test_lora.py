@@ -111,3 +111,50 @@ def test_lora_update_peak_memory_below_full_finetune() -> None:
 def test_lora_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="lora.r"):
         LoraConfig(r=0)
+
+
+# ------------------------------------------------------------------ layers trained in full (modules_to_save)
+def base_folder(path, *, tied: bool) -> str:
+    """A tiny model saved as a folder, its output layer tied to the input embedding or a copy of its own."""
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(0)
+    model = build_tiny_llama(TINY, tokenizer)
+    if not tied:
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_layer_trained_in_full_leaves_under_its_base_name_for_the_lagged_sampler_and_the_export(tmp_path, tied):
+    """``modules_to_save: [lm_head]``: PEFT holds the layer twice under its own names (``original_module``,
+    ``modules_to_save.default``). What leaves the trainer, for the background process at a lag (a strict load of
+    a plain model) and for the exported folder, is the trained copy under the base model's name."""
+    from test_async_rollouts import lagged
+
+    from grpo_lightning.callbacks import SaveHFModel
+    from grpo_lightning.engines.weights import policy_weights, policy_weights_meta
+
+    path = base_folder(tmp_path / "base", tied=tied)
+    module = GRPOModule(model_name_or_path=path, lr=3e-2, lora=LoraConfig(r=4, alpha=8, modules_to_save=["lm_head"]))
+    data = lagged(rewards=[RewardSpec("lora_checksum")])
+    export = tmp_path / "export"
+    trainer = quiet_trainer(tmp_path / "run", max_epochs=3, callbacks=[SaveHFModel(str(export))])
+    trainer.fit(module, datamodule=data)  # rounds 1 and 2 send the weights to the background process
+
+    base = AutoModelForCausalLM.from_pretrained(path)
+    sent = dict(policy_weights(module.policy))
+    assert list(sent) == list(base.state_dict())  # the base model's names, in its order: nothing PEFT's
+    assert [name for name, _, _ in policy_weights_meta(module.policy)] == list(sent)
+    assert (sent["lm_head.weight"] - base.lm_head.weight).abs().max() > 1e-3  # the trained copy, not the original
+    if tied:  # one shared copy trained: the model stays tied, as its config says
+        assert torch.equal(sent["lm_head.weight"], sent["model.embed_tokens.weight"])
+
+    exported = AutoModelForCausalLM.from_pretrained(export).eval()
+    ids = data.last_rollout.prompt_ids[:2]
+    module.policy.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=ids).logits, module.policy(input_ids=ids).logits)
+        torch.testing.assert_close(exported.lm_head.weight, sent["lm_head.weight"])

@@ -23,6 +23,7 @@ if importlib.util.find_spec("vllm") is None:
     )
 
 from engine_contract import (  # noqa: E402
+    LONG_PROMPTS,
     PROMPTS,
     check_a_perturbed_engine_is_caught,
     check_greedy_equals_generate,
@@ -30,7 +31,9 @@ from engine_contract import (  # noqa: E402
     check_mask_truncation_and_padding_rules,
     check_token_pairs_follow_the_model_distribution,
     importance_weights_of,
+    lora_with_a_trained_copy,
 )
+from vllm_servers import BLOCK_SIZE  # noqa: E402
 
 from grpo_lightning.engines import SamplingParams  # noqa: E402
 from grpo_lightning.engines.vllm import VLLMEngine  # noqa: E402
@@ -60,7 +63,7 @@ def policy(tok):
 
 @pytest.fixture(scope="module")
 def engine(policy, tok):
-    engine = VLLMEngine(max_model_len=128, kv_cache_memory_bytes=64 << 20)
+    engine = VLLMEngine(max_model_len=128, kv_cache_memory_bytes=64 << 20, extra_args={"block_size": BLOCK_SIZE})
     engine.setup(policy, tok)
     yield engine
     engine.close()
@@ -74,9 +77,9 @@ def push(engine: VLLMEngine, model: torch.nn.Module) -> None:
     engine.load_weights(model, VERSION["next"])
 
 
-def logprob_gap(engine: VLLMEngine, model: torch.nn.Module, tok) -> float:
+def logprob_gap(engine: VLLMEngine, model: torch.nn.Module, tok, prompts: list[str] = PROMPTS) -> float:
     """Largest |vLLM − trainer| log-prob over sampled tokens (0 up to rounding when the engine is current)."""
-    prompt_ids, prompt_mask = PromptEncoder(tok).encode(PROMPTS)
+    prompt_ids, prompt_mask = PromptEncoder(tok).encode(prompts)
     params = SamplingParams(group_size=2, max_new_tokens=6, temperature=1.0)
     out = engine.generate(
         prompt_ids, prompt_mask, params, generator=torch.Generator().manual_seed(1), return_logprobs=True
@@ -124,6 +127,27 @@ def test_a_lora_policy_is_pushed_merged_and_stays_unmerged(engine, policy, tok):
     assert logprob_gap(engine, lora, tok) < ATOL
     assert logprob_gap(engine, policy, tok) > 1e-2  # the adapters made a difference, and it reached vLLM
     check_greedy_equals_generate(engine, lora, tok)
+
+
+def test_a_layer_trained_in_full_is_pushed_under_its_base_name(engine, policy, tok):
+    """``model.lora.modules_to_save: [lm_head]``: PEFT's wrapper names never reach vLLM, the trained copy does."""
+    lora = lora_with_a_trained_copy(policy, ("lm_head",), seed=3)
+    push(engine, lora)
+    assert logprob_gap(engine, lora, tok) < ATOL
+    assert logprob_gap(engine, policy, tok) > 1e-2  # the copy made a difference, and it reached vLLM
+    push(engine, policy)
+
+
+def test_a_push_clears_the_prefix_cache(engine, policy, tok):
+    """Prompts longer than two KV blocks, sampled before and after a push: vLLM's prefix cache (keyed by token ids
+    alone) must not serve the old weights' KV for them."""
+    push(engine, policy)
+    assert logprob_gap(engine, policy, tok, LONG_PROMPTS) < ATOL  # fills the cache with these prompts' blocks
+    old = copy.deepcopy(policy)
+    perturb(policy, 0.1, seed=31)
+    push(engine, policy)
+    assert logprob_gap(engine, policy, tok, LONG_PROMPTS) < ATOL
+    assert logprob_gap(engine, old, tok, LONG_PROMPTS) > 1e-2
 
 
 def test_a_perturbed_engine_raises_the_mismatch_and_pulls_weights_below_one(engine, policy, tok):

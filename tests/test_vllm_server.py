@@ -13,6 +13,7 @@ import copy
 import importlib.util
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -24,18 +25,20 @@ if importlib.util.find_spec("vllm") is None:
     )
 
 from engine_contract import (  # noqa: E402
+    LONG_PROMPTS,
     PROMPTS,
     check_every_end_id_ends_and_no_default_applies,
     check_filtered_logprobs_are_the_sampling_distributions,
     check_logprobs_equal_the_trainers,
     check_min_new_tokens_and_stop_sequences,
     check_token_pairs_follow_the_model_distribution,
+    lora_with_a_trained_copy,
     make_instruct_like_folder,
 )
 from lightning import Callback  # noqa: E402
 from test_vllm import logprob_gap, perturb  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
-from vllm_servers import Server  # noqa: E402
+from vllm_servers import BLOCK_SIZE, Server  # noqa: E402
 
 from grpo_lightning.engines import SamplingParams  # noqa: E402
 from grpo_lightning.engines.http import ServerError  # noqa: E402
@@ -162,6 +165,108 @@ def test_a_lora_policy_is_pushed_merged(server_a, policy):
     assert logprob_gap(engine, lora, tok) < ATOL
     assert logprob_gap(engine, model, tok) > 1e-2  # the adapters made a difference, and it reached the server
     engine.close()
+
+
+def test_a_layer_trained_in_full_is_pushed_under_its_base_name(server_a, policy):
+    """``model.lora.modules_to_save: [lm_head]``: PEFT's wrapper names never reach the server, the trained copy
+    does."""
+    model, tok = policy
+    lora = lora_with_a_trained_copy(model, ("lm_head",), seed=5)
+    engine = engine_for(server_a)
+    engine.setup(lora, tok)
+    engine.load_weights(lora, 1)
+    assert logprob_gap(engine, lora, tok) < ATOL
+    assert logprob_gap(engine, model, tok) > 1e-2  # the copy made a difference, and it reached the server
+    engine.close()
+
+
+def prefix_cache_hits(server: Server) -> float:
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(server.url + "/metrics") as answer:
+        lines = answer.read().decode().splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith("vllm:prefix_cache_hits_total"))
+
+
+def test_after_a_push_no_server_serves_a_prefix_cached_from_the_old_weights(server_a, server_b, policy):
+    """The same prompts (longer than two of the servers' KV blocks) sampled before and after a push: vLLM keys its
+    prefix cache by token ids alone, so unless the push clears it, the prompts' KV comes from the old weights."""
+    model, tok = policy
+    assert min(len(PromptEncoder(tok).encode([p])[0][0]) for p in LONG_PROMPTS) > 2 * BLOCK_SIZE
+    engine = engine_for(server_a, server_b)
+    engine.setup(model, tok)
+    engine.load_weights(model, 1)
+    hits = prefix_cache_hits(server_a) + prefix_cache_hits(server_b)
+    assert logprob_gap(engine, model, tok, LONG_PROMPTS) < ATOL
+    assert logprob_gap(engine, model, tok, LONG_PROMPTS) < ATOL
+    assert prefix_cache_hits(server_a) + prefix_cache_hits(server_b) > hits  # the cache holds these prompts
+    old = copy.deepcopy(model)
+    perturb(model, 0.1, seed=31)
+    engine.load_weights(model, 2)
+    assert logprob_gap(engine, model, tok, LONG_PROMPTS) < ATOL  # both servers: the new weights' KV
+    assert logprob_gap(engine, old, tok, LONG_PROMPTS) > 1e-2
+    engine.close()
+
+
+class LosingProxy:
+    """An HTTP proxy in front of ``upstream`` that forwards everything and loses the reply to the first request
+    for ``lose`` that succeeded (the server did the work; the trainer never hears so)."""
+
+    def __init__(self, upstream: str, lose: str) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.lost = 0
+        proxy = self
+
+        class Forward(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                self.forward(None)
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                self.forward(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+
+            def forward(self, body: bytes | None) -> None:
+                request = urllib.request.Request(
+                    upstream + self.path, data=body, method=self.command, headers={"Content-Type": "application/json"}
+                )
+                try:
+                    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=600) as a:
+                        status, data = a.status, a.read()
+                except urllib.error.HTTPError as err:
+                    status, data = err.code, err.read()
+                if self.path.startswith(lose) and status == 200 and proxy.lost == 0:
+                    proxy.lost += 1
+                    self.close_connection = True
+                    return
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Forward)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+def test_a_lost_reply_to_finishing_a_push_is_not_a_failed_push(server_a, policy):
+    """The server finished the update and its reply was lost: vLLM refuses a second finish, but the server reports
+    the pushed version, so the push has succeeded (and the run goes on)."""
+    model, tok = policy
+    proxy = LosingProxy(server_a.url, lose="/finish_weight_update")
+    try:
+        engine = VLLMServerEngine(base_urls=[proxy.url], connect_timeout_s=60)
+        engine.setup(model, tok)
+        perturb(model, 0.1, seed=41)
+        engine.load_weights(model, 41)
+        assert proxy.lost == 1
+        assert logprob_gap(engine, model, tok) < ATOL
+        engine.close()
+    finally:
+        proxy.close()
 
 
 def test_multi_turn_rollouts_on_a_server_are_token_exact_and_greedy_equals_the_lean_engine(server_a, policy):

@@ -14,18 +14,30 @@ from grpo_lightning.config import ConfigError
 from grpo_lightning.engines import build_engine
 from grpo_lightning.engines.http import ServerClient, ServerError
 from grpo_lightning.engines.vllm_server import VLLMServerEngine
+from grpo_lightning.engines.weight_transfer import clear_prefix_cache, finish_update
 
 
 class StandIn(BaseHTTPRequestHandler):
-    """Answers each request with the next planned (status, body); ``sleep`` delays an answer."""
+    """Answers each request with the next planned (status, body); ``sleep`` delays an answer, ``drop`` closes the
+    connection without one (a reply lost on the way)."""
 
     plan: list = []
     seen: list = []
 
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        StandIn.seen.append((self.path, None))
+        self.answer()
+
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"null")
         StandIn.seen.append((self.path, body))
+        self.answer()
+
+    def answer(self) -> None:
         status, answer = StandIn.plan.pop(0)
+        if status == "drop":
+            self.close_connection = True
+            return
         if status == "sleep":
             threading.Event().wait(answer)
             status, answer = 200, {}
@@ -100,3 +112,32 @@ def test_the_engine_is_chosen_by_name_and_refuses_bad_settings_in_one_line():
     ]:
         with pytest.raises(ConfigError, match=rf"^data.engine.init_args.{message}"):
             VLLMServerEngine(**settings)
+
+
+# ------------------------------------------------------------------------------------------- ending a push
+def test_a_lost_reply_to_finishing_a_push_is_not_a_failed_push(stand_in):
+    """The first /finish_weight_update went through and its reply was lost: vLLM refuses the retry (no update is
+    open any more), but the server reports the pushed version, so the push has finished."""
+    server = client(stand_in)
+    StandIn.plan = [("drop", None), (200, {"weight_version": "7"})]
+    finish_update(server, "7", held_before="6")
+    assert [path for path, _ in StandIn.seen] == ["/finish_weight_update", "/weight_info"]  # no second finish
+    StandIn.seen = []
+    refused = (500, {"error": "finish_weight_update called without a matching start_weight_update."})
+    StandIn.plan = [("drop", None), (200, {"weight_version": "6"}), refused, (200, {"weight_version": "6"})]
+    with pytest.raises(ServerError, match="answered 500 .*without a matching start_weight_update"):
+        finish_update(client(stand_in, retries=1), "7", held_before="6")  # the server still holds 6: not finished
+    StandIn.seen = []
+    # The server held this version before the push (the same step pushed again): its version proves nothing.
+    StandIn.plan = [("drop", None), refused, (200, {"weight_version": "7"})]
+    with pytest.raises(ServerError):
+        finish_update(client(stand_in, retries=1), "7", held_before="7")
+
+
+def test_a_push_ends_only_once_the_prefix_cache_is_cleared(stand_in):
+    StandIn.plan = [(200, {"success": False}), (200, {"success": True})]
+    clear_prefix_cache(client(stand_in))
+    assert [path for path, _ in StandIn.seen] == ["/reset_prefix_cache?reset_running_requests=true"] * 2
+    StandIn.plan = [(200, {"success": False})] * 2
+    with pytest.raises(ServerError, match=rf"^the vLLM server {stand_in} did not clear its prefix cache after 2 tries"):
+        clear_prefix_cache(client(stand_in), attempts=2)

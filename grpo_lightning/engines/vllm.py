@@ -194,7 +194,9 @@ class VLLMEngine(RolloutEngine):
                 yield name, tensor
 
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights(), "is_checkpoint_format": True})
-        self.llm.reset_prefix_cache()
+        # vLLM keys its prefix cache by token ids alone: KV cached before the push came from the old weights.
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM did not clear its prefix cache after the weight push (requests still running)")
         super().load_weights(policy, version)
 
     def offload(self) -> None:

@@ -10,6 +10,8 @@ Each server is a plain ``vllm serve`` (README, "vLLM servers"); this engine is i
 - **Weights.** After every update trainer rank 0 pushes every weight (LoRA merged, FSDP2 gathered one tensor at a
   time) through vLLM's weight-transfer API (``engines/weight_transfer.py``: NCCL on GPUs, gloo on CPU); the
   other ranks take part in the gathers and wait at a barrier, so that no rank samples from a half-pushed model.
+  A push ends with every server's prefix cache cleared (vLLM keys it by token ids alone: it would otherwise serve
+  the KV of prefixes it saw before from the old weights).
   Each server then reports the pushed version; a round checks it first, so a server that restarted (and lost the
   pushed weights) stops the run instead of sampling from the wrong model.
 - **Faults.** Every request is retried (same seed: the same completions) ``retries`` times, then the run stops with

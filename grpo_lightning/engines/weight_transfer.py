@@ -5,8 +5,16 @@ vLLM's RL routes (``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1`` and ``--weight-
 1. once, ``/init_weight_transfer_engine`` on every server, while the trainer opens the group: one process group
    of the trainer (rank 0) and every worker of every server (ranks after it, server by server);
 2. per push, ``/start_weight_update``; ``/update_weights`` with each weight's name, dtype and shape, answered
-   once the server has received them all, while the trainer broadcasts them one tensor at a time; and
-   ``/finish_weight_update`` with the version, which the server then reports at ``/weight_info``.
+   once the server has received them all, while the trainer broadcasts them one tensor at a time;
+   ``/finish_weight_update`` with the version, which the server then reports at ``/weight_info`` (a server
+   that reports the new version has finished, even when its reply was lost on the way: the retry that vLLM
+   would refuse is not needed); and ``/reset_prefix_cache`` on every server.
+
+Why the last step: vLLM caches the KV of prompt prefixes keyed by their token ids alone, and nothing in a weight
+update clears it. Without the reset every prefix a server saw before (the chat header every prompt shares, a
+prompt seen again on the next pass over the data, the earlier turns of a multi-turn trajectory) would be served
+from KV that older weights computed: the version check passes, and nothing downstream can undo it. A push ends
+only once every server has cleared its cache, so no retry or restart can skip it.
 
 Two transports, the same protocol: ``nccl`` (vLLM's own, GPU to GPU) and ``gloo`` (CPU; vLLM ships none, so
 ``grpo_lightning.engines.vllm_gloo`` adds it to the server through a vLLM plugin: the server's environment needs
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, wait
 from datetime import timedelta
@@ -83,6 +92,58 @@ def background(fn: Any, *args: Any, **kwargs: Any) -> Future:
 
     threading.Thread(target=run, daemon=True, name="grpo-weight-transfer").start()
     return future
+
+
+def held_version(server: ServerClient) -> str | None:
+    """The weights version ``server`` reports (``/weight_info``)."""
+    return server.get("/weight_info").get("weight_version")
+
+
+class _Finished(Exception):
+    """The server already reports the pushed version: the update is finished."""
+
+
+def finish_update(server: ServerClient, version: str, held_before: str | None) -> None:
+    """``/finish_weight_update`` with ``version``, idempotent by version.
+
+    The call is retried like any request; but when the first call went through and only its reply was lost, vLLM
+    refuses the retry (no update is open any more). So before each retry, and after a failure, the server's
+    version decides: one that now reports ``version`` (and did not before this push) has finished.
+    """
+
+    def finished_already() -> None:
+        if version != held_before and held_version(server) == version:
+            raise _Finished
+
+    try:
+        server.request("POST", "/finish_weight_update", {"weight_version": version}, before_retry=finished_already)
+    except _Finished:
+        return
+    except ServerError:
+        try:
+            finished_already()
+        except _Finished:
+            return
+        except ServerError:
+            pass
+        raise
+
+
+def clear_prefix_cache(server: ServerClient, attempts: int = 5) -> None:
+    """Drop every cached prefix on ``server`` (module docstring: why after every push).
+
+    ``reset_running_requests``: a request still running on the server (none of this trainer's: every rank has
+    finished sampling before a push; a client that gave up on one leaves it running) is preempted and computed
+    again, on the new weights, instead of holding cache blocks that would make the reset fail.
+    """
+    for attempt in range(attempts):
+        if server.post("/reset_prefix_cache?reset_running_requests=true", {}).get("success"):
+            return
+        time.sleep(0.2 * 2**attempt)
+    raise ServerError(
+        f"the vLLM server {server} did not clear its prefix cache after {attempts} tries: it would serve KV computed "
+        "by the previous weights"
+    )
 
 
 class WeightChannel:
@@ -157,6 +218,7 @@ class WeightChannel:
             "dtype_names": [str(dtype).removeprefix("torch.") for _, dtype, _ in meta],
             "shapes": [list(shape) for _, _, shape in meta],
         }
+        before = [held_version(s) for s in self.servers]  # tells a finished update whose reply was lost
         self._each("/start_weight_update", {}, "starting the weight update")
         receiving = [
             background(s.post, "/update_weights", {"update_info": update}, timeout_s=self.timeout_s, retry=False)
@@ -173,7 +235,9 @@ class WeightChannel:
             self.group = None  # a broken group cannot be used again
             raise self._failure(receiving, "sending the weights", err) from None
         self._settle(receiving, "receiving the weights")
-        self._each("/finish_weight_update", {"weight_version": str(version)}, "finishing the weight update")
+        finishing = [background(finish_update, s, str(version), held) for s, held in zip(self.servers, before)]
+        self._settle(finishing, "finishing the weight update")
+        self._settle([background(clear_prefix_cache, s) for s in self.servers], "clearing the prefix cache")
 
     def _broadcast(self, tensor: Tensor) -> None:
         if self.transport == "gloo":
