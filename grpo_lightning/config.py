@@ -10,7 +10,7 @@ import inspect
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
-from grpo_lightning.losses import GENERIC_SETTINGS, PolicyLoss, check_policy_loss
+from grpo_lightning.losses import GENERIC_SETTINGS, PolicyLoss, SettingOutOfRange, check_policy_loss
 
 if TYPE_CHECKING:
     from grpo_lightning.engines.base import SamplingParams
@@ -87,8 +87,12 @@ class ObjectiveConfig:
     """KL weight against the reference model. 0 skips the reference model entirely (not even built)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_importance_weighted: bool = False
-    """Multiply each token's KL estimate by π_θ/π_old (the "unbiased" KL of DeepSeek-V3.2, TRL's
-    ``use_bias_correction_kl``, which TRL 1.16 turns on by default; off here, as before this setting existed)."""
+    """Multiply each token's KL estimate by π_θ/μ, μ the sampler that drew it: π_θ/π_old times the behaviour weight
+    π_old/μ the policy term gets from another engine or at a rollout lag (truncated or masked as ``tis_*`` say).
+    Unbiased for k1 and k3 when the trainer sampled at lag 0 or no weight is truncated; truncated weights count the
+    tokens μ under-samples less, and ``tis_cap: null`` (no behaviour weight) leaves π_θ/π_old, π_θ's KL reweighted
+    by μ/π_old (``grpo_lightning.losses.kl``). DeepSeek-V3.2's bias-corrected KL, TRL's ``use_bias_correction_kl``
+    (on by default in TRL 1.16; off here, as before this setting existed)."""
     loss_type: str = "grpo"
     """The policy loss: ``grpo``, ``dapo``, ``dr_grpo``, ``bnpo`` (the clipped surrogate with each paper's
     aggregation), ``luspo``, ``cispo``, ``sapo``, ``gmpo``, ``vespo``, or a function's import path
@@ -127,23 +131,17 @@ class ObjectiveConfig:
             raise ConfigError(f"model.objective.tis_cap must be > 0, or null for no correction (got {self.tis_cap})")
         if self.beta < 0:
             raise ConfigError(f"model.objective.beta must be >= 0 (got {self.beta})")
-        for name in ("epsilon_low", "epsilon_high"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ConfigError(f"model.objective.{name} must be >= 0 (got {value})")
         if self.tis_mode not in ("truncate", "mask"):
             raise ConfigError(f"model.objective.tis_mode must be truncate or mask (got {self.tis_mode!r})")
         if self.tis_mode == "mask" and self.tis_cap is not None and self.tis_cap <= 1:
             raise ConfigError(f"model.objective.tis_cap must be > 1 with tis_mode: mask (got {self.tis_cap})")
-        if self.delta is not None and self.delta <= 1:
-            raise ConfigError(f"model.objective.delta must be > 1 (got {self.delta}); it caps the ratio from above")
-        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
-            raise ConfigError(f"model.objective.clip_ratio_c must be > 1 (got {self.clip_ratio_c}); verl uses 3.0")
         if self.off_policy_mask is not None and self.off_policy_mask < 0:
             raise ConfigError(f"model.objective.off_policy_mask must be >= 0 (got {self.off_policy_mask})")
         if self.loss_kwargs is not None and not isinstance(self.loss_kwargs, dict):
             raise ConfigError(f"model.objective.loss_kwargs must be a mapping (got {self.loss_kwargs!r})")
-        policy = self.policy_loss  # imports a user's function now: before any model loads
+        # Imports a user's function now, before any model loads, and checks every loss setting against the ranges
+        # its loss declares (epsilon_low, epsilon_high, delta, clip_ratio_c, loss_kwargs: ``losses/ranges.py``).
+        policy = self.policy_loss
         if policy.corrects_sampler and self.tis_level != "token":
             raise ConfigError(
                 f"model.objective.tis_level must be token with loss_type {self.loss_type} (it folds each token's "
@@ -160,6 +158,8 @@ class ObjectiveConfig:
         """The ``PolicyLoss`` of ``loss_type``, checked against the settings (``ConfigError`` in one line)."""
         try:
             return check_policy_loss(self.loss_type, self.generic_settings, self.loss_kwargs, self.aggregation)
+        except SettingOutOfRange as err:  # names its setting: model.objective.epsilon_low = 1.2 is outside ...
+            raise ConfigError(f"model.objective.{err}") from None
         except ValueError as err:
             raise ConfigError(f"model.objective: {err}") from None
 

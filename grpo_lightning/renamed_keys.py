@@ -4,7 +4,9 @@ Config keys are public API: a YAML written for an earlier layout keeps working. 
 (sampling, rewards, advantages, μ, evaluation) moved from ``model`` to ``data`` when the rollout became the
 DataModule's. ``migrate`` moves the old keys of a loaded YAML document (a ``--config`` file, or a whole config
 given inline) to their places; ``migrate_command_line`` does the same for ``--model.sampling.group_size 4``-style
-flags. The CLI's parsers read every document through ``migrate`` (the ``grpo_yaml`` parser mode below).
+flags. The CLI's parsers read every document through ``migrate`` (the ``grpo_yaml`` parser mode below). An old key
+and its new one set differently in one document, or both as flags, are refused in the same line (``both_set``); a
+flag still overrides a file, whichever key either uses.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def migrate(document: Any) -> Any:
         if parent is None:  # e.g. `data: data.yaml`: the old key cannot be merged into a file name here
             raise ConfigError(f"{old} is deprecated and cannot be moved to {new} here: set {new} instead")
         if leaf in parent and parent[leaf] != value:
-            raise ConfigError(f"{old} (deprecated, now {new}) and {new} are both set, differently: keep only {new}")
+            raise both_set(old, new, new)
         parent[leaf] = value
         warn_renamed(old, new)
     return document
@@ -98,17 +100,70 @@ def respell(key: str) -> tuple[str, str] | None:
     return None
 
 
+def both_set(old: str, now: str, new: str) -> ConfigError:
+    """The one-line refusal of an old key (``now`` as spelled today) and the new key ``new`` set differently, in a
+    file or as flags alike."""
+    return ConfigError(f"{old} (deprecated, now {now}) and {new} are both set, differently: keep only {new}")
+
+
 def migrate_command_line(argv: list[str]) -> list[str]:
-    """``argv`` with every ``--old.key[.sub][=value]`` flag of ``RENAMED`` spelled with its new key."""
-    out = []
-    for token in argv:
+    """``argv`` with every ``--old.key[.sub][=value]`` flag of ``RENAMED`` spelled with its new key.
+
+    An old flag and a new one that set the same setting to different values are refused as in a file (``migrate``),
+    whichever comes first: read as today's flag, the later would win without a word. A flag's value is compared as
+    YAML, also inside a mapping given to the enclosing key (``--model.sampling '{group_size: 4}'``).
+    """
+    out, olds, news = [], [], []
+    for at, token in enumerate(argv):
         if token.startswith("--"):
             name, eq, value = token[2:].partition("=")
+            given = value if eq else _next_value(argv, at)
             if found := respell(name):
-                warn_renamed(found[0], RENAMED[found[0]])
+                olds.append((name, found, given))
                 token = f"--{found[1]}{eq}{value}"
+            else:
+                news.append((name, given))
         out.append(token)
+    for old, (_, now), old_value in olds:
+        for new, new_value in news:
+            if _differ(now, old_value, new, new_value):
+                raise both_set(old, now, new)
+    for _, (moved, _), _ in olds:
+        warn_renamed(moved, RENAMED[moved])
     return out
+
+
+def _next_value(argv: list[str], at: int) -> str | None:
+    return argv[at + 1] if at + 1 < len(argv) and not argv[at + 1].startswith("--") else None
+
+
+def _differ(old_key: str, old_value: str | None, new_key: str, new_value: str | None) -> bool:
+    """Whether flags for ``old_key`` (spelled as now) and ``new_key`` set a setting they share differently."""
+    if old_value is None or new_value is None:
+        return False
+    if new_key == old_key or new_key.startswith(old_key + "."):  # the new flag sets (a setting inside) the old one
+        found, old_at = _inside(_yaml_value(old_value), new_key[len(old_key) :])
+        return found and old_at != _yaml_value(new_value)
+    if old_key.startswith(new_key + "."):  # the old flag sets a setting inside the new one's mapping
+        found, new_at = _inside(_yaml_value(new_value), old_key[len(new_key) :])
+        return found and new_at != _yaml_value(old_value)
+    return False
+
+
+def _inside(value: Any, suffix: str) -> tuple[bool, Any]:
+    """The setting at the dotted ``suffix`` (``.group_size``, or empty: ``value`` itself) of a flag's value."""
+    for key in suffix.split(".")[1:]:
+        if not isinstance(value, dict) or key not in value:
+            return False, None
+        value = value[key]
+    return True, value
+
+
+def _yaml_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
 
 
 def _settings(document: dict, path: list[str], *, create: bool = False) -> dict | None:

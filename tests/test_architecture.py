@@ -168,3 +168,21 @@ def test_wandb_logger_keeps_the_init_arguments_where_grpo_wandb_logger_cleans_th
 
     assert WandbLogger(save_dir=str(tmp_path), offline=True)._wandb_init["anonymous"] is None
     assert "anonymous" not in GRPOWandbLogger(save_dir=str(tmp_path), offline=True)._wandb_init
+
+
+def test_model_checkpoint_keeps_its_triggers_where_check_checkpoint_timing_reads_them():
+    """``check_checkpoint_timing`` (at a rollout lag, a checkpoint callback that saves inside a round is refused)
+    reads when a ``ModelCheckpoint`` saves from its private trigger attributes, and a time-based
+    ``val_check_interval`` from ``Trainer._val_check_time_interval`` (as ``ModelCheckpoint`` itself does): Lightning
+    has no public accessor for either."""
+    from datetime import timedelta
+
+    from lightning import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    assert ModelCheckpoint(every_n_train_steps=3)._every_n_train_steps == 3
+    assert ModelCheckpoint(train_time_interval=timedelta(minutes=5))._train_time_interval == timedelta(minutes=5)
+    assert ModelCheckpoint()._save_on_train_epoch_end is None
+    assert ModelCheckpoint(save_on_train_epoch_end=True)._save_on_train_epoch_end is True
+    assert Trainer(logger=False, val_check_interval="00:00:00:30")._val_check_time_interval == 30
+    assert Trainer(logger=False, val_check_interval=0.5).val_check_interval == 0.5

@@ -287,7 +287,7 @@ def test_a_users_loss_by_import_path_is_called_with_its_settings(user_losses):
         ({"loss_type": "gmpo", "aggregation": "token_mean"}, "(GMPO) fixes sequence_mean"),
         ({"loss_type": "cispo", "loss_kwargs": {"epsilon_high": 5.0}}, "set epsilon_high directly under"),
         ({"loss_type": "vespo", "tis_level": "sequence"}, "tis_level must be token with loss_type vespo"),
-        ({"clip_ratio_c": 1.0}, "clip_ratio_c must be > 1"),
+        ({"clip_ratio_c": 1.0}, "clip_ratio_c = 1.0 is outside loss_type 'grpo''s range (1, inf)"),
         ({"off_policy_mask": -1.0}, "off_policy_mask must be >= 0"),
     ],
 )

@@ -2,7 +2,7 @@
 
 Configs written before the rollout settings moved from ``model`` to ``data`` (``tests/data/old_layout``: the
 quickstart and DAPO recipe as they were) parse to exactly the run today's files describe; so does each old
-command-line flag. An old key and its new one set differently are refused in one line.
+command-line flag. An old key and its new one set differently are refused in one line, in a file and as flags alike.
 """
 
 from __future__ import annotations
@@ -157,6 +157,64 @@ def test_an_old_key_and_its_new_one_set_differently_are_refused_in_one_line(caps
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: model.seed (deprecated, now data.seed) and data.seed are both set, differently: keep only data.seed"
     )
+
+
+def refused(capsys, *args: str) -> str:
+    """The one error line of ``fit`` with ``args`` (exit status 2, no traceback)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", "configs/quickstart.yaml", *args, "--print_config"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "Traceback" not in err, err[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err[-2000:]
+    return lines[0]
+
+
+GROUP_SIZE_BOTH = (
+    "error: model.sampling.group_size (deprecated, now data.sampling.group_size) and data.sampling.group_size are "
+    "both set, differently: keep only data.sampling.group_size"
+)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--model.sampling.group_size", "4", "--data.sampling.group_size", "8"],
+        ["--data.sampling.group_size=8", "--model.sampling.group_size=4"],  # either order: the later would win
+    ],
+    ids=["old-first", "new-first"],
+)
+def test_an_old_flag_and_its_new_one_set_differently_are_refused_as_in_a_file(capsys, monkeypatch, flags):
+    monkeypatch.chdir(ROOT)
+    assert refused(capsys, *flags) == GROUP_SIZE_BOTH
+
+
+def test_a_flag_setting_a_whole_mapping_is_compared_key_by_key(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert refused(capsys, "--model.sampling", "{group_size: 4}", "--data.sampling.group_size", "8") == (
+        "error: model.sampling (deprecated, now data.sampling) and data.sampling.group_size are both set, "
+        "differently: keep only data.sampling.group_size"
+    )
+    assert refused(capsys, "--data.advantage", "{scale: batch}", "--model.objective.advantage_scale", "none") == (
+        "error: model.objective.advantage_scale (deprecated, now data.advantage.scale) and data.advantage are both "
+        "set, differently: keep only data.advantage"
+    )
+    got = printed(capsys, "--config", "configs/quickstart.yaml", "--model.sampling", "{group_size: 4}",
+                  "--data.sampling.max_new_tokens", "3")  # fmt: skip
+    assert (got["data"]["sampling"]["group_size"], got["data"]["sampling"]["max_new_tokens"]) == (4, 3)
+
+
+def test_old_and_new_flags_that_agree_or_a_flag_over_a_file_are_read(capsys, caplog, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    got = printed(capsys, "--config", "configs/quickstart.yaml", "--model.seed", "7", "--data.seed", "7",
+                  "--model.objective.advantage_eps=0.001", "--data.advantage.eps", "1.0e-3")  # fmt: skip
+    assert (got["data"]["seed"], got["data"]["advantage"]["eps"]) == (7, 0.001)
+    assert len(warnings_of(caplog)) == 2
+    new_file = tmp_path / "new.yaml"
+    new_file.write_text(yaml.safe_dump({"data": {"seed": 4}}))
+    got = printed(capsys, "--config", "configs/quickstart.yaml", "--config", str(new_file), "--model.seed", "3")
+    assert got["data"]["seed"] == 3  # a flag overrides a file, old key or new
 
 
 def test_migrate_reads_class_path_forms_and_a_config_for_the_whole_command_line():

@@ -23,10 +23,15 @@ import torch
 from torch import Tensor
 
 from grpo_lightning.losses.inputs import LossInputs, masked_mean
+from grpo_lightning.losses.ranges import Range, setting_ranges
 from grpo_lightning.losses.registry import register_policy_loss
 
 
 @register_policy_loss("cispo", aggregation="token_mean", source="MiniMax-M1")
+@setting_ranges(
+    epsilon_low=Range("[0, 1]", "the weight's lower bound 1 - epsilon_low, none at 1 as in the paper"),
+    epsilon_high=Range("[0, inf)", "the weight's cap 1 + epsilon_high stays >= 1; TRL's absolute cap C is C - 1"),
+)
 def cispo(
     inputs: LossInputs,
     *,

@@ -22,13 +22,24 @@ import torch
 from torch import Tensor
 
 from grpo_lightning.losses.inputs import LossInputs, masked_mean
+from grpo_lightning.losses.ranges import Range, setting_ranges
 from grpo_lightning.losses.registry import register_policy_loss
+
+# PPO's clip bounds the ratio to [1 − ε_low, 1 + ε_high], so ε_low < 1; INTELLECT-2's δ and the dual clip's c (Ye
+# et al. 2020) bound it further from above, past ratio 1: at or below it they would cut the on-policy gradient.
+clip_ranges = setting_ranges(
+    epsilon_low=Range("[0, 1)", "the ratio's lower clip 1 - epsilon_low must stay > 0"),
+    epsilon_high=Range("[0, inf)", "the ratio's upper clip 1 + epsilon_high stays >= 1"),
+    delta=Range("(1, inf)", "it caps the ratio from above; at or below 1 it cuts the on-policy gradient"),
+    clip_ratio_c=Range("(1, inf)", "the dual clip bounds a negative advantage's loss by c·|A|, |A| on-policy"),
+)
 
 
 @register_policy_loss("grpo", aggregation="sequence_mean", fixed=True, source="DeepSeekMath")
 @register_policy_loss("dapo", aggregation="token_mean", fixed=True, source="DAPO §3.3")
 @register_policy_loss("dr_grpo", aggregation="constant", fixed=True, source="Dr. GRPO")
 @register_policy_loss("bnpo", aggregation="micro_batch_token_mean", fixed=True, source="BNPO")
+@clip_ranges
 def clipped_surrogate(
     inputs: LossInputs,
     *,
@@ -65,6 +76,7 @@ def clipped_surrogate(
 @register_policy_loss(
     "luspo", aggregation="sequence_sum", fixed=True, level="sequence", source="LUSPO: length-weighted sequences"
 )
+@clip_ranges
 def luspo(
     inputs: LossInputs,
     *,

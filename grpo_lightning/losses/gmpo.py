@@ -18,10 +18,15 @@ import torch
 from torch import Tensor
 
 from grpo_lightning.losses.inputs import LossInputs, masked_mean, sequence_mean
+from grpo_lightning.losses.ranges import Range, setting_ranges
 from grpo_lightning.losses.registry import register_policy_loss
 
 
 @register_policy_loss("gmpo", aggregation="sequence_mean", fixed=True, level="sequence", source="GMPO")
+@setting_ranges(
+    epsilon_low=Range("[0, inf)", "in log space: a token's log-ratio counts at least -epsilon_low"),
+    epsilon_high=Range("[0, inf)", "in log space: a token's log-ratio counts at most epsilon_high"),
+)
 def gmpo(
     inputs: LossInputs, *, epsilon_low: float = 0.4, epsilon_high: float | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:

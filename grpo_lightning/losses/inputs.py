@@ -46,7 +46,8 @@ class LossInputs:
             at a rollout lag), else ``None``.
         is_weights: the truncated importance weights π_old / π_engine (``importance.truncated_importance_weights``)
             when ``engine_logprobs`` is given, else ``None``. The objective multiplies every loss by them, except a
-            loss registered with ``corrects_sampler=True``, which folds them in itself.
+            loss registered with ``corrects_sampler=True``, which folds them in itself, and the importance-weighted
+            KL term by them (``kl.py``).
     """
 
     logprobs: Tensor

@@ -9,7 +9,8 @@
 - m_t: DeepSeek-V3.2's off-policy sequence mask (``off_policy_mask`` = δ): a completion with A < 0 whose mean
   per-token KL(π_sampler ‖ π_θ) estimate, log π_sampler − log π_θ, exceeds δ leaves the policy term (it was
   sampled by a policy too far from the current one to be a trustworthy negative example); its KL term stays;
-- KL_t: ``kl.kl_estimate`` (k1, k2, k3), optionally importance-weighted (``kl_importance_weighted``);
+- KL_t: ``kl.kl_estimate`` (k1, k2, k3), optionally importance-weighted (``kl_importance_weighted``) by
+  π_θ/π_old · w_t, the whole way from the sampler (``kl.py`` says what that estimates when w_t is truncated);
 - H_t: the entropy bonus;
 - aggregate: ``aggregation.aggregate``, the loss's default or a compatible choice.
 """
@@ -74,7 +75,10 @@ def grpo_loss(
         loss_kwargs: the loss's other settings (e.g. SAPO's ``tau_pos``).
         beta: KL coefficient; non-zero requires ``ref_logprobs``.
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
-        kl_importance_weighted: multiply each token's KL estimate by the ratio π_θ/π_old (``kl.py``).
+        kl_importance_weighted: multiply each token's KL estimate by π_θ/μ, μ the sampler: the ratio π_θ/π_old
+            times the policy term's behaviour weights π_old/μ when ``engine_logprobs`` are given (truncated or
+            masked alike; of 1 with ``tis_cap=None``). Unbiased for k1 and k3 at lag 0 with the trainer as
+            sampler or with untruncated weights; ``kl.py`` says what it estimates otherwise.
         off_policy_mask: δ of the off-policy sequence mask (module docstring); ``None`` disables it.
         max_completion_length: the ``constant`` aggregation's normaliser (Dr. GRPO; required there).
         num_items: the ``token_mean`` denominator, the token count of the whole optimizer step; defaults to the
@@ -84,9 +88,10 @@ def grpo_loss(
         entropy: optional ``[B, T]`` per-token entropy; logged, and subtracted times ``entropy_coef``.
         entropy_coef: entropy bonus coefficient.
         engine_logprobs: ``[B, T]`` the sampling engine's own log-probs when it is not the trainer (vLLM, or an
-            older policy at a rollout lag): the policy term is weighted by ``truncated_importance_weights``
-            (π_old = ``old_logprobs``, or the detached current log-probs when ``None``), capped at ``tis_cap`` (or
-            masked outside [1/C, C] with ``tis_mode="mask"``), at ``tis_level``.
+            older policy at a rollout lag): the policy term (and an importance-weighted KL term) is weighted by
+            ``truncated_importance_weights`` (π_old = ``old_logprobs``, or the detached current log-probs when
+            ``None``), capped at ``tis_cap`` (or masked outside [1/C, C] with ``tis_mode="mask"``), at
+            ``tis_level``.
 
     Returns:
         ``(loss, metrics)``; metrics are detached scalars: ``pg_loss`` (the policy term, same aggregation),

@@ -11,9 +11,16 @@ logged as ``train/<name>``. Settings are keyword parameters with defaults: the g
 other from ``model.objective.loss_kwargs``. A function names only the settings it reads, so a setting given for a
 loss that does not read it is refused instead of ignored.
 
+Each loss declares the values its settings take with ``@setting_ranges`` (``ranges.py``): a user's function by
+import path as a built-in one, e.g. ``@setting_ranges(cap=Range("(0, inf)", "a weight cap"))`` or the interval
+alone, ``cap="(0, inf)"``. A value outside is refused with the setting, the loss and the range, e.g.
+``model.objective.epsilon_low = 1.2 is outside loss_type 'grpo''s range [0, 1) (...)``; a generic setting read
+without a declared range keeps ``GENERIC_RANGES``.
+
 Built-in losses register with ``@register_policy_loss`` when the package is imported (its ``__init__`` imports
 the families after this module, which imports none of them); a config names one, or a function by import path
-(``my_pkg.losses:my_loss``), checked with ``check_policy_loss`` when the config is read.
+(``my_pkg.losses:my_loss``), checked with ``check_policy_loss`` when the config is read (``ObjectiveConfig``) and
+at every call of ``grpo_loss``.
 """
 
 from __future__ import annotations
@@ -31,11 +38,16 @@ from torch import Tensor
 
 from grpo_lightning.losses.aggregation import AGGREGATIONS
 from grpo_lightning.losses.inputs import LossInputs
+from grpo_lightning.losses.ranges import GENERIC_RANGES, Range
 
 PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 
 GENERIC_SETTINGS = ("epsilon_low", "epsilon_high", "delta", "clip_ratio_c", "importance_sampling_level")
 """``model.objective`` fields a loss may read by naming them as parameters (``None`` there: the loss's default)."""
+
+
+class SettingOutOfRange(ValueError):
+    """A loss setting outside the range its loss declares; the message starts with the setting's name."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,20 @@ class PolicyLoss:
     def parameters(self) -> dict[str, inspect.Parameter]:
         """The keyword settings of ``fn`` (everything after ``inputs``)."""
         return dict(list(inspect.signature(self.fn).parameters.items())[1:])
+
+    @property
+    def ranges(self) -> dict[str, Range]:
+        """The range of each setting that has one: the function's declared ``setting_ranges`` (read at each use,
+        so that ``@setting_ranges`` may sit above or below ``@register_policy_loss``), and ``GENERIC_RANGES`` for a
+        generic setting it reads (by name, or through ``**kwargs``) without declaring one."""
+        declared = dict(getattr(self.fn, "setting_ranges", None) or {})
+        for key, value in declared.items():
+            if not isinstance(value, Range):
+                raise ValueError(f"loss_type {self.name!r}: the range of {key!r} must be a Range (got {value!r})")
+            if key not in self.parameters and not self.takes_any:
+                raise ValueError(f"loss_type {self.name!r} declares a range for {key!r}, not one of its settings")
+        generic = {key: GENERIC_RANGES[key] for key in GENERIC_RANGES if key in self.parameters or self.takes_any}
+        return {**generic, **declared}
 
     @property
     def takes_any(self) -> bool:
@@ -111,6 +137,21 @@ class PolicyLoss:
                 continue
             if parameter.default is inspect.Parameter.empty and key not in given:
                 raise ValueError(f"loss_type {self.name!r} needs {key}: set it in model.objective.loss_kwargs")
+        self.check_ranges(given, loss_kwargs)
+
+    def check_ranges(self, given: dict[str, Any], loss_kwargs: dict[str, Any]) -> None:
+        """Refuse a given setting outside its declared range (``SettingOutOfRange``, one line). ``None`` passes
+        where it is the function's own default (a setting's "off")."""
+        ranges = self.ranges
+        for key, value in given.items():
+            allowed = ranges.get(key)
+            parameter = self.parameters.get(key)
+            if allowed is None or (value is None and parameter is not None and parameter.default is None):
+                continue
+            if not allowed.accepts(value):
+                where = "loss_kwargs." if key in loss_kwargs else ""
+                loss = f"loss_type {self.name!r}"
+                raise SettingOutOfRange(f"{where}{key} = {value!r} is outside {loss}'s range {allowed}")
 
     def __call__(
         self, inputs: LossInputs, generic: dict[str, Any], loss_kwargs: dict[str, Any]
@@ -137,7 +178,8 @@ def register_policy_loss(
 ) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator: make ``fn`` a ``model.objective.loss_type`` named ``name`` (see ``PolicyLoss`` for the rest).
 
-    ``fixed=True``: the paper defines the loss with ``aggregation`` and no other is accepted.
+    ``fixed=True``: the paper defines the loss with ``aggregation`` and no other is accepted. The ranges of its
+    settings are declared on the function with ``@setting_ranges`` (``ranges.py``), as a user's loss declares them.
     """
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
@@ -200,6 +242,7 @@ def _check_signature(spec: PolicyLoss) -> None:
             f"loss_type {spec.name!r} must take the LossInputs as its first positional parameter: "
             "fn(inputs, *, setting=default, ...) -> (per_token_loss, metrics)"
         )
+    _ = spec.ranges  # a range declared for no setting of the function fails now, not at the first check
     for parameter in parameters[1:]:
         if parameter.kind in positional and parameter.default is inspect.Parameter.empty:
             raise ValueError(

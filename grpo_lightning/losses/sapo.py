@@ -16,16 +16,18 @@ import torch
 from torch import Tensor
 
 from grpo_lightning.losses.inputs import LossInputs
+from grpo_lightning.losses.ranges import Range, setting_ranges
 from grpo_lightning.losses.registry import register_policy_loss
+
+_TEMPERATURE = Range("(0, inf)", "the gate's temperature: σ(τ(ρ − 1))·4/τ divides by it; SAPO's τ > 0")
 
 
 @register_policy_loss("sapo", aggregation="sequence_mean", source="SAPO")
+@setting_ranges(tau_pos=_TEMPERATURE, tau_neg=_TEMPERATURE)
 def sapo(
     inputs: LossInputs, *, tau_pos: float = 1.0, tau_neg: float = 1.05, importance_sampling_level: str = "token"
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """−σ(τ(ρ − 1))·4/τ·A, τ by the sign of A."""
-    if tau_pos <= 0 or tau_neg <= 0:
-        raise ValueError(f"loss_kwargs.tau_pos and tau_neg must be > 0 (got {tau_pos}, {tau_neg})")
     ratio = inputs.ratio(importance_sampling_level)
     adv = inputs.advantages
     tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))

@@ -20,12 +20,17 @@ import torch
 from torch import Tensor
 
 from grpo_lightning.losses.inputs import LossInputs, masked_mean, masked_sum
+from grpo_lightning.losses.ranges import Range, setting_ranges
 from grpo_lightning.losses.registry import register_policy_loss
 
 _LOG_MIN = math.log(1e-8)
+# φ = e^λ w^k e^(−λw) rises from 0 and falls back to 0 only for k > 0 and λ > 0 (a gamma kernel, peak at w = k/λ).
+_POWER = Range("(0, inf)", "φ's power w^k weighs down completions far below w = 1 only for k > 0")
+_DECAY = Range("(0, inf)", "φ's decay e^(−λw) weighs down completions far above w = 1 only for λ > 0")
 
 
 @register_policy_loss("vespo", aggregation="token_mean", level="sequence", corrects_sampler=True, source="VESPO")
+@setting_ranges(k_pos=_POWER, k_neg=_POWER, lambda_pos=_DECAY, lambda_neg=_DECAY)
 def vespo(
     inputs: LossInputs,
     *,

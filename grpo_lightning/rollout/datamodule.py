@@ -31,7 +31,7 @@ from grpo_lightning.evaluation import held_out_loader
 from grpo_lightning.rewards import RewardSpec
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.batch import LazyRound, RolloutBatch
-from grpo_lightning.rollout.checkpoint_state import datamodule_state, restore_datamodule
+from grpo_lightning.rollout.checkpoint_state import check_checkpoint_timing, datamodule_state, restore_datamodule
 from grpo_lightning.rollout.curriculum import CurriculumConfig, CurriculumSampler
 from grpo_lightning.rollout.data_sources import PromptData, checked_rows
 from grpo_lightning.rollout.multiturn import setup_environment
@@ -41,7 +41,12 @@ from grpo_lightning.rollout.round import RoundSettings, finish_round, run_round
 from grpo_lightning.rollout.schedule import BackgroundRollouts
 from grpo_lightning.rollout.stream import PromptStream
 from grpo_lightning.strategies import gather_per_rank
-from grpo_lightning.validation import check_ranges, check_round_settings, derive_accumulation
+from grpo_lightning.validation import (
+    check_ranges,
+    check_round_settings,
+    check_weights_can_leave,
+    derive_accumulation,
+)
 
 log = logging.getLogger(__name__)
 
@@ -232,13 +237,17 @@ class RolloutDataModule(PromptData, LightningDataModule):
     # ----------------------------------------------------------------------------------------------- data
     def setup(self, stage: str) -> None:
         """Load and check the prompts (before any model is built): columns, prompts, lengths, batch sizes."""
-        if stage == "fit" and self.train_data is None:
-            self.train_data = self._checked(self.sources.training_rows(), self.sources.train_where)
-            mini = self.mini_batch_size or self.rollout_size
-            derive_accumulation(self.trainer, self.rollout_size, mini, self.micro_batch_size or mini)
+        if stage == "fit":
+            check_weights_can_leave(self.trainer.strategy, self.engine.engine, self.rollout_lag)
+            if self.train_data is None:
+                self.train_data = self._checked(self.sources.training_rows(), self.sources.train_where)
+                mini = self.mini_batch_size or self.rollout_size
+                derive_accumulation(self.trainer, self.rollout_size, mini, self.micro_batch_size or mini)
         held_out = self.sources.held_out(self.val_limit) if self.val_data is None else None
         if held_out is not None:
             self.val_data = self._checked(*held_out)
+        if stage == "fit":  # at a lag, only checkpoints at round ends can be resumed from
+            check_checkpoint_timing(self)
 
     def _checked(self, data: Dataset, where: str) -> Dataset:
         module, engine = self.policy_side, self.engine.engine
