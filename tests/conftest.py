@@ -26,6 +26,27 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=64)
 
+# The files that take longest (each 35 s to nearly 3 minutes on the 2-core CI machine: several processes, whole
+# runs), longest first. They start first, so that the two workers of ``-n 2 --dist loadfile
+# --no-loadscope-reorder`` (pyproject) end together: xdist's own order (most tests first) leaves these few-test
+# files to the end, where one worker can be left running the last long file alone.
+SLOW_FIRST = (
+    "test_strategies_presets.py",
+    "test_async_rollouts.py",
+    "test_async_kill.py",
+    "test_determinism.py",
+    "test_cli.py",
+    "test_bad_inputs.py",
+    "test_distributed.py",
+    "test_rollout_metrics_ddp.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The slow files first (``SLOW_FIRST``); the rest keep pytest's order (the sort is stable)."""
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))
+
 
 @pytest.fixture
 def tokenizer():

@@ -141,8 +141,8 @@ def test_a_layer_trained_in_full_leaves_under_its_base_name_for_the_lagged_sampl
     module = GRPOModule(model_name_or_path=path, lr=3e-2, lora=LoraConfig(r=4, alpha=8, modules_to_save=["lm_head"]))
     data = lagged(rewards=[RewardSpec("lora_checksum")])
     export = tmp_path / "export"
-    trainer = quiet_trainer(tmp_path / "run", max_epochs=3, callbacks=[SaveHFModel(str(export))])
-    trainer.fit(module, datamodule=data)  # rounds 1 and 2 send the weights to the background process
+    trainer = quiet_trainer(tmp_path / "run", max_epochs=2, callbacks=[SaveHFModel(str(export))])
+    trainer.fit(module, datamodule=data)  # each round sends the weights to the background process (round 1: trained)
 
     base = AutoModelForCausalLM.from_pretrained(path)
     sent = dict(policy_weights(module.policy))

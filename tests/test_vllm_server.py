@@ -38,7 +38,7 @@ from engine_contract import (  # noqa: E402
 from lightning import Callback  # noqa: E402
 from test_vllm import logprob_gap, perturb  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
-from vllm_servers import BLOCK_SIZE, Server  # noqa: E402
+from vllm_servers import BLOCK_SIZE, Server, reply  # noqa: E402
 
 from grpo_lightning.engines import SamplingParams  # noqa: E402
 from grpo_lightning.engines.http import ServerError  # noqa: E402
@@ -151,32 +151,23 @@ def test_two_servers_share_a_round_and_both_take_every_push(server_a, server_b, 
     both.close()
 
 
-def test_a_lora_policy_is_pushed_merged(server_a, policy):
+@pytest.mark.parametrize("wrapping", ["adapters", "modules_to_save"])
+def test_a_lora_policy_is_pushed_merged_under_the_base_models_names(server_a, policy, wrapping):
+    """Adapters merged in; a layer trained in full (``model.lora.modules_to_save: [lm_head]``) as its trained copy:
+    PEFT's wrapper names never reach the server."""
     from peft import LoraConfig, get_peft_model
 
     model, tok = policy
-    lora = get_peft_model(
-        copy.deepcopy(model),
-        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
-    ).eval()
+    if wrapping == "adapters":
+        settings = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        lora = get_peft_model(copy.deepcopy(model), settings).eval()
+    else:
+        lora = lora_with_a_trained_copy(model, ("lm_head",), seed=5)
     engine = engine_for(server_a)
     engine.setup(lora, tok)
     engine.load_weights(lora, 1)
     assert logprob_gap(engine, lora, tok) < ATOL
-    assert logprob_gap(engine, model, tok) > 1e-2  # the adapters made a difference, and it reached the server
-    engine.close()
-
-
-def test_a_layer_trained_in_full_is_pushed_under_its_base_name(server_a, policy):
-    """``model.lora.modules_to_save: [lm_head]``: PEFT's wrapper names never reach the server, the trained copy
-    does."""
-    model, tok = policy
-    lora = lora_with_a_trained_copy(model, ("lm_head",), seed=5)
-    engine = engine_for(server_a)
-    engine.setup(lora, tok)
-    engine.load_weights(lora, 1)
-    assert logprob_gap(engine, lora, tok) < ATOL
-    assert logprob_gap(engine, model, tok) > 1e-2  # the copy made a difference, and it reached the server
+    assert logprob_gap(engine, model, tok) > 1e-2  # the LoRA parts made a difference, and it reached the server
     engine.close()
 
 
@@ -236,10 +227,7 @@ class LosingProxy:
                     proxy.lost += 1
                     self.close_connection = True
                     return
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                reply(self, status, data)
 
             def log_message(self, *args) -> None:
                 pass

@@ -8,6 +8,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from vllm_servers import reply
 
 from grpo_lightning.cli import user_error
 from grpo_lightning.config import ConfigError
@@ -41,11 +42,7 @@ class StandIn(BaseHTTPRequestHandler):
         if status == "sleep":
             threading.Event().wait(answer)
             status, answer = 200, {}
-        data = json.dumps(answer).encode()
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        reply(self, status, json.dumps(answer).encode())
 
     def log_message(self, *args) -> None:
         pass

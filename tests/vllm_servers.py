@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from grpo_lightning.engines.weight_transfer import free_port
 
@@ -88,3 +89,11 @@ class Server:
 
     def log_tail(self, lines: int = 30) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def reply(handler: Any, status: int, data: bytes) -> None:
+    """An ``http.server`` handler's answer: ``status`` and the body ``data`` (for the tests' stand-in servers)."""
+    handler.send_response(status)
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
