@@ -25,12 +25,14 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from grpo_lightning.callbacks.checkpointing import default_checkpoint
 from grpo_lightning.callbacks.policy_sync import OldPolicySync
+from grpo_lightning.callbacks.progress import default_progress_bar
 from grpo_lightning.callbacks.round_log import RoundLog, is_terminal
 from grpo_lightning.callbacks.wandb_logger import LoggerSaveConfigCallback
 from grpo_lightning.checkpoint_io import AtomicCheckpointIO
 from grpo_lightning.config import AdvantageConfig, ConfigError, EvalConfig, ObjectiveConfig, SamplingConfig
 from grpo_lightning.engines.http import ServerError
 from grpo_lightning.environments.tools import ToolBroken
+from grpo_lightning.fit_summary import evaluate_arguments, print_fit_summary
 from grpo_lightning.guard import NonFiniteError
 from grpo_lightning.lora import LoraConfig
 from grpo_lightning.models.tiny import TinyModelConfig
@@ -145,15 +147,16 @@ class GRPOCLI(LightningCLI):
 
     def default_callbacks(self, trainer: Any, callbacks: list[Any]) -> list[Any]:
         """What a GRPO run needs that ``callbacks`` lacks: ``OldPolicySync`` (the engine samples the current
-        policy), ``RoundLog`` (a line per round in a log file) and, unless ``trainer.enable_checkpointing`` is
-        false, a ``RoundCheckpoint`` keeping ``<default_root_dir>/checkpoints/last.ckpt`` (``default_checkpoint``)."""
+        policy), ``RoundLog`` (a line per round in a log file), a ``RoundProgressBar`` where a bar is shown
+        (``default_progress_bar``) and, unless ``trainer.enable_checkpointing`` is false, a ``RoundCheckpoint``
+        keeping ``<default_root_dir>/checkpoints/last.ckpt`` (``default_checkpoint``)."""
         added: list[Any] = []
         if not any(isinstance(c, OldPolicySync) for c in callbacks):
             added.append(OldPolicySync())
         if not any(isinstance(c, RoundLog) for c in callbacks):
             added.append(RoundLog())
-        checkpoint = default_checkpoint(trainer, callbacks, rounds=True)
-        return added + ([checkpoint] if checkpoint is not None else [])
+        extra = (default_progress_bar(trainer, callbacks), default_checkpoint(trainer, callbacks, rounds=True))
+        return added + [c for c in extra if c is not None]
 
     def before_fit(self) -> None:
         """GRPO's own Trainer requirement, checked before anything is built."""
@@ -163,6 +166,13 @@ class GRPOCLI(LightningCLI):
                 f"trainer.reload_dataloaders_every_n_epochs must be 1 for GRPO (got {reload}): each epoch is one "
                 "rollout round"
             )
+
+    def after_fit(self) -> None:
+        """The run's last lines, after W&B's: rounds done, the last reward and held-out accuracy, where
+        ``last.ckpt`` is and the commands that evaluate and export it (``fit_summary``)."""
+        config = self.config.get(str(self.subcommand), self.config)
+        arguments = evaluate_arguments(self.command_line, config.get("config") or [])
+        print_fit_summary(self.trainer, arguments, sft=isinstance(self, SFTCLI))
 
 
 class SFTCLI(GRPOCLI):

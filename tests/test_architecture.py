@@ -186,3 +186,16 @@ def test_model_checkpoint_keeps_its_triggers_where_check_checkpoint_timing_reads
     assert ModelCheckpoint(save_on_train_epoch_end=True)._save_on_train_epoch_end is True
     assert Trainer(logger=False, val_check_interval="00:00:00:30")._val_check_time_interval == 30
     assert Trainer(logger=False, val_check_interval=0.5).val_check_interval == 0.5
+
+
+def test_rich_progress_bar_takes_the_training_text_from_get_train_description():
+    """``RoundProgressBar`` says ``Round k/N`` by overriding ``RichProgressBar._get_train_description``, where
+    Lightning makes the training bar's text at each round's start and for a resumed round's bar; a public hook could
+    only replace the text after Lightning set it (its refresh thread may draw ``Epoch`` in between)."""
+    import inspect
+
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    assert list(inspect.signature(RichProgressBar._get_train_description).parameters) == ["self", "current_epoch"]
+    for hook in (RichProgressBar.on_train_epoch_start, RichProgressBar._initialize_train_progress_bar_id):
+        assert "self._get_train_description(" in inspect.getsource(hook), hook.__name__

@@ -10,6 +10,7 @@ from grpo_lightning.callbacks.console import ConsoleSamples
 from grpo_lightning.callbacks.export import SaveHFModel
 from grpo_lightning.callbacks.kl import KLController, ReferenceSync
 from grpo_lightning.callbacks.policy_sync import OldPolicySync
+from grpo_lightning.callbacks.progress import RoundProgressBar
 from grpo_lightning.callbacks.round_log import RoundLog
 from grpo_lightning.callbacks.timing import RoundTimer
 from grpo_lightning.callbacks.wandb_logger import GRPOWandbLogger, LoggerSaveConfigCallback, wandb_mode
@@ -24,6 +25,7 @@ __all__ = [
     "ReferenceSync",
     "RoundCheckpoint",
     "RoundLog",
+    "RoundProgressBar",
     "RoundTimer",
     "SaveHFModel",
     "wandb_mode",

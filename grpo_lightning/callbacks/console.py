@@ -31,7 +31,7 @@ class ConsoleSamples(Callback):
     def __init__(self, every_n_rounds: int = 10, num_samples: int = 4, max_chars: int = 200, seed: int = 0) -> None:
         """
         Args:
-            every_n_rounds: print at rounds 0, N, 2N, ...
+            every_n_rounds: print at the first round and every N-th after it (rounds 1, N + 1, 2N + 1, ...)
             num_samples: completions shown per table.
             max_chars: longer prompts and completions are cut to this many characters.
             seed: seed of the draw of the rows.
@@ -53,7 +53,8 @@ class ConsoleSamples(Callback):
         indices = sorted(draw.sample(range(count), min(self.num_samples, count)))
         columns, rows = completion_rows(rollout, indices)
         reward = rollout.metrics.get("rollout/reward_mean", float("nan"))
-        table = Table(title=f"round {trainer.current_epoch} · step {trainer.global_step} · mean reward {reward:.3g}")
+        title = f"round {trainer.current_epoch + 1} · step {trainer.global_step} · mean reward {reward:.3g}"
+        table = Table(title=title)  # rounds counted from 1, as the progress bar and the log lines count them
         for name in columns:
             table.add_column(name, overflow="fold", justify="left" if name in _TEXT else "right")
         for row in rows:
