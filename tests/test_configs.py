@@ -22,8 +22,9 @@ import torch
 import wandb
 import yaml
 from conftest import TINY, quiet_trainer
+from helpers import checksum_reward, save_tiny_reward_model
 from lightning.pytorch.plugins.precision import MixedPrecision
-from transformers import LlamaConfig, LlamaForSequenceClassification, Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.cli import GRPOCLI, SFTCLI, place_run_folders
@@ -75,24 +76,6 @@ def tiny_qwen2(path: Path) -> str:
     Qwen2ForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
-
-
-def tiny_reward_model(path: Path) -> None:
-    """A random one-logit classifier over the character tokenizer (stands in for tools/train_reward_model.py's)."""
-    tokenizer = build_char_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        pad_token_id=tokenizer.pad_token_id,
-        num_labels=1,
-    )
-    torch.manual_seed(1)
-    LlamaForSequenceClassification(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
 
 
 def sft_rows(path: Path, rows: int = 32) -> None:
@@ -166,7 +149,7 @@ def stage3(runs: Path) -> None:
 
 def stage4(runs: Path) -> None:
     earlier_stage_model(runs / "3_rejection_sft" / "hf")
-    tiny_reward_model(runs / "reward_model")
+    save_tiny_reward_model(runs / "reward_model")
 
 
 def tools_calculator(work: Path) -> tuple[type, list[str]]:
@@ -324,10 +307,7 @@ def test_folders_set_explicitly_stay_where_they_are(tmp_path):
 
 
 # ------------------------------------------------------------------ precision × clipping × LoRA
-@register("test_configs_checksum")
-def checksum_reward(prompts, completions, **_):
-    """Rewards with spread even for a random model: every update changes the weights."""
-    return [float(sum(map(ord, c)) % 5) for c in completions]
+register("test_configs_checksum")(checksum_reward)  # every update changes the weights
 
 
 PRECISIONS = ["32-true", "bf16-mixed", "bf16-true", "16-mixed"]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import quiet_trainer
+from helpers import save_tiny_llama
 from lightning import Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from test_multiturn import ScriptedEngine
@@ -25,7 +26,7 @@ from grpo_lightning.config import ConfigError
 from grpo_lightning.engines.base import SamplingParams
 from grpo_lightning.environments import ToolEnvironment
 from grpo_lightning.models.build import load_tokenizer
-from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
+from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer
 from grpo_lightning.rewards import RewardSpec, register
 from grpo_lightning.rollout import schedule
 from grpo_lightning.rollout.curriculum import CurriculumConfig
@@ -63,12 +64,7 @@ def qwen3_tokenizer():
 @pytest.fixture(scope="module")
 def qwen3_model(tmp_path_factory) -> str:
     """A tiny random Llama with the Qwen3-templated tokenizer, saved as a Hugging Face folder."""
-    path = tmp_path_factory.mktemp("qwen3-tiny")
-    tokenizer = qwen3_tokenizer()
-    torch.manual_seed(0)
-    build_tiny_llama(SMALL, tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_tiny_llama(tmp_path_factory.mktemp("qwen3-tiny"), SMALL, qwen3_tokenizer())
 
 
 def conversation(a: int, b: int, system: bool = True) -> list[dict]:

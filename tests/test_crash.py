@@ -20,12 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import TINY
+from conftest import TINY, quiet_trainer
+from helpers import length_reward
 from lightning import Callback, Trainer, seed_everything
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.checkpoint_io import AtomicCheckpointIO
-from grpo_lightning.cli import TRAINER_DEFAULTS, main
+from grpo_lightning.cli import main
 from grpo_lightning.guard import NonFiniteError, NonFiniteGuard
 from grpo_lightning.rewards import RewardSpec, register
 
@@ -42,10 +43,7 @@ class SlowWriteIO(AtomicCheckpointIO):
         time.sleep(float(os.environ.get(WRITE_DELAY_ENV, "0") or 0))
 
 
-@register("crash_length")
-def length_reward(prompts, completions, **_):
-    """Rewards with spread even for a random model's completions."""
-    return [float(len(c)) for c in completions]
+register("crash_length")(length_reward)
 
 
 class Marker(Callback):
@@ -255,18 +253,7 @@ def guarded_fit(tmp_path, inject: Inject, max_skips: int = 3) -> Trainer:
         val_limit=4,
         task_kwargs={"test_size": 50},
     )
-    trainer = Trainer(
-        **TRAINER_DEFAULTS,
-        max_epochs=2,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=[inject],
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(tmp_path, max_epochs=2, callbacks=[inject])
     trainer.fit(module, datamodule=data)
     return trainer
 

@@ -8,7 +8,6 @@ one process with 4 prompts per round and two with 2 each train on the same rollo
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -22,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import checksum_reward, load_tool, save_tiny_llama
 from lightning import Callback, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -31,7 +31,7 @@ from grpo_lightning.config import AdvantageConfig
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams
 from grpo_lightning.engines.weights import policy_weights
 from grpo_lightning.lora import LoraConfig
-from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
+from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.rewards import RewardSpec, register
 from grpo_lightning.strategies import FSDP2Strategy
 
@@ -53,10 +53,7 @@ SGD_LR = 0.5
 PG_TIMEOUT = timedelta(minutes=2)
 
 
-@register("dist_checksum")
-def checksum_reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
-    """A function of the completion's characters: rewards with spread even for a random model's completions."""
-    return [float(sum(map(ord, c)) % 5) for c in completions]
+register("dist_checksum")(checksum_reward)
 
 
 class FixedRolloutEngine(RolloutEngine):
@@ -300,12 +297,7 @@ def worker(out: Path, model_dir: str) -> None:
 # ---------------------------------------------------------------------------------------------- the tests
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("dist-model")
-    tokenizer = build_char_tokenizer()
-    torch.manual_seed(0)
-    build_tiny_llama(TINY, tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_tiny_llama(tmp_path_factory.mktemp("dist-model"), TINY)
 
 
 @pytest.fixture(scope="module")
@@ -415,10 +407,7 @@ def test_fsdp_checkpoint_resume_and_consolidation(two_processes: tuple[Path, dic
     assert resumed["global_step"] == 5 and len(resumed["losses"]) == 2 * 2
     assert all(math.isfinite(loss) for loss in resumed["losses"])
     assert resumed["position"] == 5 * PROMPTS  # the prompt stream continued where it stopped
-    spec = importlib.util.spec_from_file_location("consolidate_fsdp", ROOT / "tools" / "consolidate_fsdp.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    folder = tool.consolidate(out / "fsdp" / "checkpoints" / "last.ckpt", tmp_path / "hf")
+    folder = load_tool("consolidate_fsdp").consolidate(out / "fsdp" / "checkpoints" / "last.ckpt", tmp_path / "hf")
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder).eval()

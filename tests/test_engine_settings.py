@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import TINY, quiet_trainer
+from helpers import length_reward
 
 from grpo_lightning import GRPOModule, RolloutDataModule, SamplingConfig
 from grpo_lightning.config import ConfigError
@@ -22,10 +23,7 @@ from grpo_lightning.rewards import RewardSpec, register
 from grpo_lightning.rollout.round import run_round
 from grpo_lightning.validation import check_weights_can_leave
 
-
-@register("test_filtered_length")
-def length_reward(prompts, completions, **_):
-    return [float(len(c)) for c in completions]
+register("test_filtered_length")(length_reward)
 
 
 FILTERS = [{"top_k": 5}, {"top_p": 0.8}, {"min_new_tokens": 2}]

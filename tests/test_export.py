@@ -3,13 +3,13 @@ merged; a checkpoint of the command line exports without a warning of changed se
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import TINY, quiet_trainer
+from helpers import length_reward, load_tool
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -21,23 +21,13 @@ from grpo_lightning.validation import check_checkpoint_hparams
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def logits(model: torch.nn.Module, tokenizer, texts: list[str]) -> torch.Tensor:
     encoded = tokenizer(texts, padding=True, return_tensors="pt")
     with torch.no_grad():
         return model.eval()(**encoded).logits
 
 
-@register("test_export_length")
-def length_reward(prompts, completions, **_):
-    """Rewards with spread even for a random model, so that one round changes the weights."""
-    return [float(len(c)) for c in completions]
+register("test_export_length")(length_reward)
 
 
 def tiny_module(**kwargs) -> GRPOModule:

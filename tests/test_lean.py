@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import ARCHITECTURE_SIZE, F32, LEAN_ARCHITECTURES, build_architecture
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
 )
 
 from grpo_lightning.engines.lean import sample_completions
@@ -27,47 +22,16 @@ from grpo_lightning.models.lean import Projection, lean_unsupported, prompt_grou
 from grpo_lightning.models.lean_decoder import LeanDecoder, cpu_weight_packer
 from grpo_lightning.models.logprobs import completion_logprobs, token_positions
 
-SIZE = dict(
-    vocab_size=40,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,  # grouped-query attention
-    max_position_embeddings=64,
-)
-# float32 comparisons of the lean forward with the model's: the same sums in another order and grouping (shared
-# prompt pass, packed weights, fused attention), of logits and log-probs of size ≤ ~5 through 2 layers of length
-# 32-48 dot products. Their rounding differs by tens of float32 steps at most (2**-23 ≈ 1.2e-7 relative):
-# measured below 1e-6, ≤ 2% of this bound, with AVX-512 and AVX2 kernels, at 1 and 2 threads.
-F32 = dict(atol=1e-5, rtol=1e-5)
-ARCHITECTURES = {
-    "llama": lambda: LlamaForCausalLM(LlamaConfig(**SIZE)),
-    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**SIZE)),  # q/k/v biases
-    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**SIZE, head_dim=12)),  # q/k norms, head_dim ≠ hidden/heads
-    "mistral": lambda: MistralForCausalLM(MistralConfig(**SIZE, sliding_window=None)),
-}
-
-
-def build(name: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = ARCHITECTURES[name]().eval()
-    with torch.no_grad():  # random biases and norm weights, so that a forgotten term shows
-        for param_name, param in model.named_parameters():
-            if param_name.endswith(("bias", "norm.weight", "layernorm.weight")):
-                param.add_(torch.randn_like(param) * 0.3)
-    return model
-
 
 def rollout(group_size: int = 2, prompt_len: int = 5, completion_len: int = 6, padded: bool = True):
     """Three left-padded prompts (0, 2 and 4 padding positions, or none), each repeated for its group."""
     torch.manual_seed(1)
-    prompt_ids = torch.randint(1, SIZE["vocab_size"], (3, prompt_len))
+    prompt_ids = torch.randint(1, ARCHITECTURE_SIZE["vocab_size"], (3, prompt_len))
     prompt_mask = torch.ones(3, prompt_len, dtype=torch.long)
     if padded:
         prompt_mask[1, :2] = 0
         prompt_mask[2, :4] = 0
-    completion_ids = torch.randint(1, SIZE["vocab_size"], (3 * group_size, completion_len))
+    completion_ids = torch.randint(1, ARCHITECTURE_SIZE["vocab_size"], (3 * group_size, completion_len))
     completion_mask = torch.ones_like(completion_ids)
     completion_mask[1, 3:] = 0  # a completion that ended early
     return prompt_ids, prompt_mask, completion_ids, completion_mask
@@ -83,9 +47,9 @@ def reference_logits(model, prompt_ids, prompt_mask, completion_ids, group_size=
 
 
 @pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
+@pytest.mark.parametrize("name", LEAN_ARCHITECTURES)
 def test_shared_prompt_pass_gives_the_model_logits(name, padded):
-    model = build(name)
+    model = build_architecture(name)
     assert lean_unsupported(model) is None
     prompt_ids, prompt_mask, completion_ids, _ = rollout(padded=padded)
     with torch.no_grad():
@@ -98,11 +62,11 @@ def test_shared_prompt_pass_gives_the_model_logits(name, padded):
 
 @pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
 @pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
+@pytest.mark.parametrize("name", LEAN_ARCHITECTURES)
 def test_decoding_steps_give_the_model_logits(name, pack, padded):
     """Prefill + decoding steps; ``packed``: every decoder-layer weight pre-packed for oneDNN (by default only
     large ones are)."""
-    model = build(name)
+    model = build_architecture(name)
     prompt_ids, prompt_mask, completion_ids, _ = rollout(padded=padded)
     packer = cpu_weight_packer(rows=6, min_elements=1)
     if pack and (packer is None or packer(model.lm_head.weight) is None):
@@ -132,7 +96,7 @@ def test_logprobs_entropies_and_gradients_match_the_model_forward(name):
     )
     results = {}
     for lean in (True, False):
-        model = build(name).train()
+        model = build_architecture(name).train()
         logprobs, entropy = completion_logprobs(model, *args, temperature=0.7, with_entropy=True, lean=lean)
         ((logprobs * torch.linspace(-1, 1, logprobs.size(1))).sum() + entropy.sum()).backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -141,7 +105,7 @@ def test_logprobs_entropies_and_gradients_match_the_model_forward(name):
     torch.testing.assert_close(lp_lean, lp_ref, **F32)
     torch.testing.assert_close(ent_lean, ent_ref, **F32)
     assert (lp_lean[args[3] == 0] == 0).all()  # padding positions stay 0
-    assert g_lean.keys() == g_ref.keys() and len(g_ref) == len(list(build(name).parameters()))
+    assert g_lean.keys() == g_ref.keys() and len(g_ref) == len(list(build_architecture(name).parameters()))
     for param_name in g_ref:
         # A parameter's gradient sums over every row and position (hundreds of terms, some cancelling): a wider
         # relative bound than F32's; measured ≤ 12% of it with AVX2, ≤ 10% with AVX-512, at 1 and 2 threads.
@@ -150,7 +114,7 @@ def test_logprobs_entropies_and_gradients_match_the_model_forward(name):
 
 @pytest.mark.parametrize("greedy", [True, False])
 def test_sampling_draws_the_same_tokens_on_both_paths(greedy):
-    model = build("qwen2")
+    model = build_architecture("qwen2")
     prompt_ids, prompt_mask, _, _ = rollout()
     runs = []
     for lean in (True, False):
@@ -177,7 +141,7 @@ def test_sampling_draws_the_same_tokens_on_both_paths(greedy):
 @pytest.mark.parametrize("lean", [True, False])
 def test_sampler_logprobs_are_the_recomputed_old_policy_logprobs(lean):
     """With μ > 1 the sampler's log-probs stand in for an old-policy pass: they must be that pass's values."""
-    model = build("llama")
+    model = build_architecture("llama")
     prompt_ids, prompt_mask, _, _ = rollout()
 
     def sample(eos_token_id: int):
@@ -209,9 +173,9 @@ def test_sampler_logprobs_are_the_recomputed_old_policy_logprobs(lean):
 def test_models_the_lean_forward_does_not_cover_use_their_own():
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=2, n_positions=64))
     assert "architecture 'gpt2'" in lean_unsupported(gpt2)
-    windowed = MistralForCausalLM(MistralConfig(**SIZE, sliding_window=4))
+    windowed = MistralForCausalLM(MistralConfig(**ARCHITECTURE_SIZE, sliding_window=4))
     assert lean_unsupported(windowed) == "sliding-window attention"
-    checkpointed = build("llama")
+    checkpointed = build_architecture("llama")
     enable = getattr(checkpointed, "activation_checkpointing_enable", None)
     enable() if enable is not None else checkpointed.gradient_checkpointing_enable()
     with torch.no_grad():
@@ -229,7 +193,7 @@ def test_lora_wrapped_models_use_their_own_forward():
     pytest.importorskip("peft")
     from grpo_lightning.lora import LoraConfig, apply_lora
 
-    model = apply_lora(build("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model = apply_lora(build_architecture("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     assert lean_unsupported(model) is not None
     assert lean_unsupported(model.get_base_model()) is not None  # its q/v projections are LoRA layers
 
@@ -265,7 +229,7 @@ def test_the_update_forward_reads_nothing_on_the_host_with_its_precomputed_layou
     layout = {"positions": token_positions(rows[3]), "groups": prompt_groups(rows[0], rows[1])}
     results = []
     for given in ({}, layout):
-        model = build("llama").train()
+        model = build_architecture("llama").train()
         with _RecordOps() as recorder:
             logprobs, entropy = completion_logprobs(model, *rows, with_entropy=True, lean=lean, **given)
             (logprobs.sum() + entropy.sum()).backward()
@@ -302,7 +266,7 @@ def test_chunked_logprobs_of_ragged_completions_match_the_full_logits(lean):
     rows = (prompt_ids.repeat_interleave(2, 0), prompt_mask.repeat_interleave(2, 0), completion_ids)
     lengths = torch.tensor([6, 1, 0, 4, 5, 2])
     mask = (torch.arange(6)[None, :] < lengths[:, None]).long()
-    model = build("qwen2")
+    model = build_architecture("qwen2")
     with torch.no_grad():
         full, _ = completion_logprobs(model, *rows, mask, chunk_size=None, lean=False, temperature=0.8)
         full = full * mask
@@ -313,10 +277,10 @@ def test_chunked_logprobs_of_ragged_completions_match_the_full_logits(lean):
 
 
 @pytest.mark.parametrize("precision", ["bf16-weights", "bf16-autocast"])
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
+@pytest.mark.parametrize("name", LEAN_ARCHITECTURES)
 def test_bf16_logits_equal_the_model_forward(name, precision):
     """In bfloat16 (weights, or float32 weights under autocast) the lean forward rounds as the model's does."""
-    model = build(name)
+    model = build_architecture(name)
     if precision == "bf16-weights":
         model = model.to(torch.bfloat16)
     prompt_ids, prompt_mask, completion_ids, _ = rollout()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY, quiet_trainer
+from helpers import checksum_reward, save_tiny_llama
 from memory_probe import update_peak_bytes
 from transformers import AutoModelForCausalLM
 
@@ -18,22 +19,15 @@ from grpo_lightning.rewards import RewardSpec, register
 pytest.importorskip("peft", reason="LoRA needs PEFT: pip install 'grpo_lightning[lora]'")
 
 
-@register("lora_checksum")
-def checksum_reward(prompts: list[str], completions: list[str], **_: object) -> list[float]:
-    """A function of the completion's characters: rewards with spread even for a random model."""
-    return [float(sum(map(ord, c)) % 5) for c in completions]
+register("lora_checksum")(checksum_reward)
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[GRPOModule, RolloutDataModule, dict, str]:
     """Two rounds of LoRA GRPO (β > 0, gradient checkpointing) on a tiny saved model."""
-    path = tmp_path_factory.mktemp("lora-base")
-    tokenizer = build_char_tokenizer()
-    torch.manual_seed(0)
-    build_tiny_llama(TINY, tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    path = save_tiny_llama(tmp_path_factory.mktemp("lora-base"), TINY)
     module = GRPOModule(
-        model_name_or_path=str(path),
+        model_name_or_path=path,
         objective=ObjectiveConfig(beta=0.1),
         lr=3e-2,
         lora=LoraConfig(r=4, alpha=8),
@@ -53,7 +47,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[GRPOModule, Rollo
         max_epochs=2,
     )
     trainer.fit(module, datamodule=data)
-    return module, data, before, str(path)
+    return module, data, before, path
 
 
 def test_only_adapters_change_and_no_reference_copy(trained) -> None:

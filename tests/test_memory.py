@@ -6,24 +6,20 @@ import math
 
 import pytest
 import torch
-from conftest import TINY
-from lightning import Callback, Trainer
+from conftest import TINY, quiet_trainer
+from helpers import checksum_reward
+from lightning import Callback
 from memory_probe import peak_bytes
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
-from grpo_lightning.cli import TRAINER_DEFAULTS
 from grpo_lightning.engines.lean import sample_completions
 from grpo_lightning.models.logprobs import completion_logprobs
 from grpo_lightning.models.tiny import build_char_tokenizer
 from grpo_lightning.rewards import RewardSpec, register
 
-
-@register("memory_checksum")
-def checksum_reward(prompts: list[str], completions: list[str], **_: object) -> list[float]:
-    """A function of the completion's characters: rewards with spread even for a random model."""
-    return [float(sum(map(ord, c)) % 5) for c in completions]
+register("memory_checksum")(checksum_reward)
 
 
 def rollout(vocab: int, rows: int, prompt: int, length: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -132,19 +128,7 @@ def test_bf16_rounds_on_cpu(tmp_path, precision: str) -> None:
         task_kwargs={"test_size": 50},
     )
     losses = Losses()
-    trainer = Trainer(
-        **TRAINER_DEFAULTS,
-        max_epochs=2,
-        accelerator="cpu",
-        precision=precision,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=[losses],
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(tmp_path, max_epochs=2, precision=precision, callbacks=[losses])
     trainer.fit(module, datamodule=data)
     weights_dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
     assert next(module.policy.parameters()).dtype == weights_dtype

@@ -3,7 +3,6 @@ evaluation end to end."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 import wandb
 from conftest import TINY
+from helpers import load_tool
 from lightning import Trainer
 from rich.console import Console
 from run_logs import load_run, read_csv_metrics  # tools/run_logs.py (tools/ is on sys.path: conftest)
@@ -21,16 +21,8 @@ from grpo_lightning.cli import GRPOCLI, TRAINER_DEFAULTS
 from grpo_lightning.metrics import majority_vote, pass_at_k
 from grpo_lightning.rewards import RewardSpec, register
 
-ROOT = Path(__file__).resolve().parents[1]
 ROUNDS, PROMPTS, GROUP, K = 3, 4, 4, 4
 NAMESPACES = ("train/", "rollout/", "reward/", "val/", "time/", "completions/")
-
-
-def load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_config(root: Path) -> dict:
@@ -163,7 +155,7 @@ def test_progress_bar_shows_reward_and_throughput(run):
 
 def test_console_samples_every_n_rounds(run):
     text = run["console"]
-    assert "round 0 " in text and "round 2 " in text and "round 1 " not in text
+    assert "round 1 " in text and "round 3 " in text and "round 2 " not in text  # counted from 1
     assert "completion" in text and "exact_answer" in text and "advantage" in text
 
 

@@ -2,7 +2,7 @@
 
 float32 throughout: the packed and padded passes do the same arithmetic on the same tokens in another grouping
 (other matmul shapes, another mask), so they differ by float32 rounding only: log-probs and gradients agree to 1e-5
-(``F32``, the bound ``test_lean.py`` measured for the lean forward against ``transformers``). A leak across a
+(``helpers.F32``, the bound ``test_lean.py`` measured for the lean forward against ``transformers``). A leak across a
 sequence boundary moves a log-prob by orders of magnitude more: ``test_*_no_leak`` changes another sequence of the
 same bin and requires the log-probs to stay the same.
 """
@@ -15,19 +15,14 @@ from typing import Any
 import pytest
 import torch
 from conftest import TINY, quiet_trainer
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Phi3Config,
-    Phi3ForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
+from helpers import (
+    ARCHITECTURES,
+    F32,
+    LEAN_ARCHITECTURES,
+    build_architecture,
+    checksum_reward,
+    length_reward,
+    step_length_reward,
 )
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
@@ -45,37 +40,6 @@ from grpo_lightning.models.packing import (
 from grpo_lightning.rewards import RewardSpec, register
 
 ASSETS = Path(__file__).resolve().parents[1] / "grpo_lightning" / "assets"
-
-SIZE = dict(
-    vocab_size=40,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
-F32 = dict(atol=1e-5, rtol=1e-5)
-ARCHITECTURES = {
-    "llama": lambda: LlamaForCausalLM(LlamaConfig(**SIZE)),
-    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**SIZE)),
-    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**SIZE, head_dim=12)),
-    "mistral": lambda: MistralForCausalLM(MistralConfig(**SIZE, sliding_window=None)),
-    "phi3": lambda: Phi3ForCausalLM(Phi3Config(**SIZE, pad_token_id=0)),
-    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=4, n_positions=64)),
-}
-LEAN = ("llama", "qwen2", "qwen3", "mistral")
-
-
-def build(name: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = ARCHITECTURES[name]()
-    model.eval()
-    with torch.no_grad():  # random biases and norm weights, so that a forgotten term shows
-        for param_name, param in model.named_parameters():
-            if param_name.endswith(("bias", "norm.weight", "layernorm.weight")):
-                param.add_(torch.randn_like(param) * 0.3)
-    return model
 
 
 def uneven_rollout(group_size: int = 3, lengths=(9, 1, 4, 12, 2, 7, 12, 5, 3)):
@@ -158,9 +122,9 @@ def test_a_pack_tokens_that_is_not_a_token_count_is_refused_in_one_line(value):
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 @pytest.mark.parametrize("lean", [True, False], ids=["lean", "own-forward"])
 def test_packed_logprobs_entropies_and_gradients_equal_the_padded_ones(name, lean, packed_runs):
-    if lean and name not in LEAN:
+    if lean and name not in LEAN_ARCHITECTURES:
         pytest.skip(f"{name} has no lean forward")
-    model = build(name)
+    model = build_architecture(name)
     rollout = uneven_rollout()
     if not lean:
         assert packing_isolates(model), f"{name}'s attention should keep packed sequences apart"
@@ -179,7 +143,7 @@ def test_packed_logprobs_entropies_and_gradients_equal_the_padded_ones(name, lea
 
 @pytest.mark.parametrize("lean", [True, False], ids=["lean", "own-forward"])
 def test_a_tokens_logprob_does_not_see_the_other_sequences_of_its_bin_no_leak(lean):
-    model = build("llama")
+    model = build_architecture("llama")
     prompt_ids, prompt_mask, completion_ids, completion_mask = uneven_rollout()
     groups = prompt_groups(prompt_ids, prompt_mask)
     packing = lean_packing(prompt_mask, completion_mask, groups, 40)
@@ -202,7 +166,7 @@ def test_a_tokens_logprob_does_not_see_the_other_sequences_of_its_bin_no_leak(le
 
 def test_attention_that_mixes_packed_sequences_falls_back_to_padded_rows(caplog):
     """An attention implementation that ignores the packed position ids is found by the probe: padded rows."""
-    model = build("gpt2")
+    model = build_architecture("gpt2")
     model.config._attn_implementation = "eager"
     original = model.forward
 
@@ -220,7 +184,7 @@ def test_attention_that_mixes_packed_sequences_falls_back_to_padded_rows(caplog)
 
 def test_lora_packed_equals_padded(packed_runs):
     peft = pytest.importorskip("peft")
-    model = build("llama")
+    model = build_architecture("llama")
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "lm_head"]))
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -253,7 +217,7 @@ def test_packed_bf16_logprobs_round_as_the_padded_ones(lean, precision, packed_r
     (measured: at most 16 % of it, 2 threads). A token that saw another sequence of its bin moves by far more (the
     float32 no-leak test above).
     """
-    model = build("llama")
+    model = build_architecture("llama")
     if precision == "bf16-weights":
         model = model.to(torch.bfloat16)
     rollout = uneven_rollout()
@@ -294,16 +258,9 @@ class _SGDModule(GRPOModule):
         return torch.optim.SGD([p for p in self.policy.parameters() if p.requires_grad], lr=self.hparams.lr)
 
 
-def _process_steps(prompts, completions, **_):
-    """A process reward: one reward per step (steps separated by "1"), the step's length."""
-    return [[float(len(step)) for step in c.split("1")] for c in completions]
-
-
-_process_steps.process = True
-_process_steps.step_separator = "1"
-register("test_packing_steps")(_process_steps)
-register("test_packing_length")(lambda prompts, completions, **_: [float(len(c)) for c in completions])
-register("test_packing_checksum")(lambda prompts, completions, **_: [float(sum(map(ord, c)) % 5) for c in completions])
+register("test_packing_steps")(step_length_reward)
+register("test_packing_length")(length_reward)
+register("test_packing_checksum")(checksum_reward)
 
 
 def _round_update(tmp_path, case: str, pack_tokens, balance: bool) -> tuple[torch.Tensor, Any]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 from conftest import TINY
-from transformers import LlamaConfig, LlamaForSequenceClassification
+from helpers import save_tiny_reward_model
 
 from grpo_lightning.callbacks import SaveHFModel
 from grpo_lightning.cli import GRPOCLI, SFTCLI
@@ -43,23 +43,9 @@ def test_every_stage_config_builds(stage, cli_class):
 
 
 @pytest.fixture
-def tiny_reward_model(tmp_path, tokenizer):
+def tiny_reward_model(tmp_path):
     """A randomly initialised one-logit classifier over the character tokenizer, saved as a Hugging Face folder."""
-    torch.manual_seed(1)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        pad_token_id=tokenizer.pad_token_id,
-        num_labels=1,
-    )
-    path = tmp_path / "reward-model"
-    LlamaForSequenceClassification(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    yield str(path)
+    yield save_tiny_reward_model(tmp_path / "reward-model")
     clear_model_cache()
 
 

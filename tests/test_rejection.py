@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import yaml
+from helpers import load_tool
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("rejection_sample", ROOT / "tools" / "rejection_sample.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-tool = _load_tool()
+tool = load_tool("rejection_sample")
 
 
 def test_best_keeps_the_first_highest_reward_that_reaches_the_threshold():

@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 import uuid
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -246,3 +247,17 @@ def test_a_broken_sandbox_is_an_error_not_a_zero(monkeypatch: pytest.MonkeyPatch
 def test_a_child_in_its_own_session_is_killed_too(isolation: str, guards: bool) -> None:
     code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n    os._exit(0)"
     run_contained(code, ["assert True"], isolation, guards)  # checks that no process of it is left alive
+
+
+@pytest.mark.parametrize(("isolation", "guards"), MODES)
+def test_the_child_runs_the_program_shipped_as_a_file(isolation: str, guards: bool) -> None:
+    """The sandbox's child runs ``grpo_lightning/assets/sandbox_child.py`` (package data), not a copy in sandbox.py:
+    the user code finds that file's docstring on the child's ``__main__``."""
+    from grpo_lightning.rewards import sandbox
+
+    shipped = resources.files("grpo_lightning") / "assets" / "sandbox_child.py"
+    first_line = shipped.read_text(encoding="utf-8").splitlines()[0].strip('"')
+    code = "import __main__\ndoc = __main__.__doc__"
+    assert run_contained(code, [f"assert doc.startswith({first_line!r})"], isolation, guards) == 1.0
+    assert run_contained(code, ["assert doc.startswith('not the shipped program')"], isolation, guards) == 0.0
+    assert "cfg = json.loads" not in Path(sandbox.__file__).read_text(encoding="utf-8")

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import TINY, quiet_trainer
+from helpers import length_reward
 from lightning import Callback
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
@@ -18,11 +19,7 @@ from grpo_lightning.rollout import checkpoint_state
 from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.rollout.round import compute_advantages, run_round
 
-
-@register("test_length")
-def length_reward(prompts, completions, **_):
-    """Rewards with spread even for a random model: the completion's length."""
-    return [float(len(c)) for c in completions]
+register("test_length")(length_reward)
 
 
 @register("test_gated_digits")

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY, quiet_trainer
+from helpers import length_reward, step_length_reward
 from lightning import Callback
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
@@ -26,14 +27,7 @@ def even_a_length(prompts, completions, **_):
     return [float(len(c)) if int(p.split("+")[0]) % 2 == 0 else 0.0 for p, c in zip(prompts, completions)]
 
 
-def process_reward(prompts, completions, **_):
-    """One reward per step (steps separated by '1'): the step's length."""
-    return [[float(len(step)) for step in c.split("1")] for c in completions]
-
-
-process_reward.process = True
-process_reward.step_separator = "1"
-register("test_process")(process_reward)
+register("test_process")(step_length_reward)
 
 
 def fit(module, data, epochs=1, callbacks=(), tmp_path=None):
@@ -156,7 +150,7 @@ def test_process_rewards_give_per_token_advantages(tmp_path):
     torch.testing.assert_close(rollout.advantages, expected, atol=1e-6, rtol=0)
 
 
-register("test_variants_length")(lambda prompts, completions, **_: [float(len(c)) for c in completions])
+register("test_variants_length")(length_reward)
 
 
 class FirstGradients(Callback):

@@ -66,7 +66,8 @@ class RolloutSchedule:
         for launch in range(self.next_launch, round_index + self.lag + 1):
             self.worker.submit(launch)
             self.pending.append(launch)
-        self.next_launch = round_index + self.lag + 1
+        # never lowered: a run resumed with a shorter lag holds rounds sampled further ahead, each to train once
+        self.next_launch = max(self.next_launch, round_index + self.lag + 1)
         while round_index not in self.ready:  # round 0 (or a run resumed without a queue): sampled now
             self._collect_one()
         return self.ready.pop(round_index)
