@@ -138,15 +138,15 @@ def _next_value(argv: list[str], at: int) -> str | None:
 
 
 def _differ(old_key: str, old_value: str | None, new_key: str, new_value: str | None) -> bool:
-    """Whether flags for ``old_key`` (spelled as now) and ``new_key`` set a setting they share differently."""
+    """Whether flags for ``old_key`` (spelled as now) and ``new_key`` set a setting they share differently: one
+    flag's key is the other's, or a setting inside the mapping the other gives."""
     if old_value is None or new_value is None:
         return False
-    if new_key == old_key or new_key.startswith(old_key + "."):  # the new flag sets (a setting inside) the old one
-        found, old_at = _inside(_yaml_value(old_value), new_key[len(old_key) :])
-        return found and old_at != _yaml_value(new_value)
-    if old_key.startswith(new_key + "."):  # the old flag sets a setting inside the new one's mapping
-        found, new_at = _inside(_yaml_value(new_value), old_key[len(new_key) :])
-        return found and new_at != _yaml_value(old_value)
+    pairs = ((old_key, old_value, new_key, new_value), (new_key, new_value, old_key, old_value))
+    for outer, outer_value, inner, inner_value in pairs:
+        if inner == outer or inner.startswith(outer + "."):
+            found, at = _inside(_yaml_value(outer_value), inner[len(outer) :])
+            return found and at != _yaml_value(inner_value)
     return False
 
 

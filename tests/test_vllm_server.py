@@ -13,7 +13,6 @@ import copy
 import importlib.util
 import threading
 import time
-import urllib.error
 import urllib.request
 
 import pytest
@@ -38,7 +37,7 @@ from engine_contract import (  # noqa: E402
 from lightning import Callback  # noqa: E402
 from test_vllm import logprob_gap, perturb  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
-from vllm_servers import BLOCK_SIZE, Server, reply  # noqa: E402
+from vllm_servers import BLOCK_SIZE, LosingProxy, Server  # noqa: E402
 
 from grpo_lightning.engines import SamplingParams  # noqa: E402
 from grpo_lightning.engines.http import ServerError  # noqa: E402
@@ -104,10 +103,15 @@ def sample(engine: VLLMServerEngine, tok, seed: int = 1, prompts=PROMPTS):
     )
 
 
-def completions_served(server: Server) -> float:
+def served_metric(server: Server, name: str) -> float:
+    """A counter of the server's ``/metrics`` (e.g. ``vllm:request_success_total``), summed over its labels."""
     with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(server.url + "/metrics") as answer:
         lines = answer.read().decode().splitlines()
-    return sum(float(line.split()[-1]) for line in lines if line.startswith("vllm:request_success_total"))
+    return sum(float(line.split()[-1]) for line in lines if line.startswith(name))
+
+
+def completions_served(server: Server) -> float:
+    return served_metric(server, "vllm:request_success_total")
 
 
 # ---------------------------------------------------------------------------------------------- the contract
@@ -172,9 +176,7 @@ def test_a_lora_policy_is_pushed_merged_under_the_base_models_names(server_a, po
 
 
 def prefix_cache_hits(server: Server) -> float:
-    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(server.url + "/metrics") as answer:
-        lines = answer.read().decode().splitlines()
-    return sum(float(line.split()[-1]) for line in lines if line.startswith("vllm:prefix_cache_hits_total"))
+    return served_metric(server, "vllm:prefix_cache_hits_total")
 
 
 def test_after_a_push_no_server_serves_a_prefix_cached_from_the_old_weights(server_a, server_b, policy):
@@ -195,49 +197,6 @@ def test_after_a_push_no_server_serves_a_prefix_cached_from_the_old_weights(serv
     assert logprob_gap(engine, model, tok, LONG_PROMPTS) < ATOL  # both servers: the new weights' KV
     assert logprob_gap(engine, old, tok, LONG_PROMPTS) > 1e-2
     engine.close()
-
-
-class LosingProxy:
-    """An HTTP proxy in front of ``upstream`` that forwards everything and loses the reply to the first request
-    for ``lose`` that succeeded (the server did the work; the trainer never hears so)."""
-
-    def __init__(self, upstream: str, lose: str) -> None:
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        self.lost = 0
-        proxy = self
-
-        class Forward(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                self.forward(None)
-
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
-                self.forward(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
-
-            def forward(self, body: bytes | None) -> None:
-                request = urllib.request.Request(
-                    upstream + self.path, data=body, method=self.command, headers={"Content-Type": "application/json"}
-                )
-                try:
-                    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=600) as a:
-                        status, data = a.status, a.read()
-                except urllib.error.HTTPError as err:
-                    status, data = err.code, err.read()
-                if self.path.startswith(lose) and status == 200 and proxy.lost == 0:
-                    proxy.lost += 1
-                    self.close_connection = True
-                    return
-                reply(self, status, data)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Forward)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
 
 
 def test_a_lost_reply_to_finishing_a_push_is_not_a_failed_push(server_a, policy):

@@ -13,8 +13,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -97,3 +100,44 @@ def reply(handler: Any, status: int, data: bytes) -> None:
     handler.send_header("Content-Length", str(len(data)))
     handler.end_headers()
     handler.wfile.write(data)
+
+
+class LosingProxy:
+    """An HTTP proxy in front of ``upstream`` that forwards everything and loses the reply to the first request
+    for ``lose`` that succeeded (the server did the work; the trainer never hears so)."""
+
+    def __init__(self, upstream: str, lose: str) -> None:
+        self.lost = 0
+        proxy = self
+
+        class Forward(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                self.forward(None)
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                self.forward(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+
+            def forward(self, body: bytes | None) -> None:
+                request = urllib.request.Request(
+                    upstream + self.path, data=body, method=self.command, headers={"Content-Type": "application/json"}
+                )
+                try:
+                    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=600) as a:
+                        status, data = a.status, a.read()
+                except urllib.error.HTTPError as err:
+                    status, data = err.code, err.read()
+                if self.path.startswith(lose) and status == 200 and proxy.lost == 0:
+                    proxy.lost += 1
+                    self.close_connection = True
+                    return
+                reply(self, status, data)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Forward)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()

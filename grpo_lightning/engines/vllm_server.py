@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from grpo_lightning.config import ConfigError
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams, completions_from_rows
 from grpo_lightning.engines.http import ServerClient, ServerError
-from grpo_lightning.engines.weight_transfer import TRANSPORTS, WeightChannel, address_towards
+from grpo_lightning.engines.weight_transfer import TRANSPORTS, WeightChannel, address_towards, held_version
 from grpo_lightning.engines.weights import policy_weights, policy_weights_meta
 from grpo_lightning.lora import is_peft_model
 
@@ -226,7 +226,7 @@ class VLLMServerEngine(RolloutEngine):
             self._check_version(server)
 
     def _check_version(self, server: ServerClient) -> None:
-        held = server.get("/weight_info").get("weight_version")
+        held = held_version(server)
         if held != str(self.pushed_version):
             raise ServerError(
                 f"the vLLM server {server} holds weights {held!r}, not the pushed version {self.pushed_version}: it "
