@@ -24,12 +24,17 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from grpo_lightning.callbacks.checkpointing import default_checkpoint
-from grpo_lightning.callbacks.policy_sync import OldPolicySync
 from grpo_lightning.callbacks.progress import default_progress_bar
 from grpo_lightning.callbacks.round_log import RoundLog, is_terminal
 from grpo_lightning.callbacks.wandb_logger import LoggerSaveConfigCallback
 from grpo_lightning.checkpoint_io import AtomicCheckpointIO
 from grpo_lightning.config import AdvantageConfig, ConfigError, EvalConfig, ObjectiveConfig, SamplingConfig
+from grpo_lightning.config_checks import (
+    check_checkpoint_hparams,
+    check_setting_ranges,
+    derive_accumulation,
+    read_checkpoint_hparams,
+)
 from grpo_lightning.engines.http import ServerError
 from grpo_lightning.environments.tools import ToolBroken
 from grpo_lightning.fit_summary import evaluate_arguments, print_fit_summary
@@ -42,7 +47,6 @@ from grpo_lightning.rewards import RewardError, RewardSpec
 from grpo_lightning.rollout.curriculum import CurriculumConfig
 from grpo_lightning.rollout.datamodule import RolloutDataModule
 from grpo_lightning.sft import SFTDataModule, SFTModule
-from grpo_lightning.validation import check_checkpoint_hparams, check_setting_ranges, read_checkpoint_hparams
 
 # The settings a GRPO run needs from the Trainer: a fresh rollout every epoch, and no DistributedSampler
 # re-splitting a rollout that each rank already built for itself.
@@ -78,8 +82,9 @@ _KEY_SOURCES: dict[str, Any] = {
 class GRPOCLI(LightningCLI):
     """``LightningCLI`` with GRPO's Trainer defaults, one-line errors and early checkpoint checks.
 
-    Every run gets ``OldPolicySync`` (the rollout engine samples from the current policy) and the
-    ``AtomicCheckpointIO`` plugin, unless its config has its own.
+    Every run gets a line per round in its log (``RoundLog``), round-boundary checkpoints and the
+    ``AtomicCheckpointIO`` plugin, unless its config has its own; ``trainer.accumulate_grad_batches`` follows from
+    ``data.mini_batch_size / data.micro_batch_size`` when the config leaves it unset.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -112,11 +117,14 @@ class GRPOCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         """Checkpoint and log folders that the config leaves unset go under ``trainer.default_root_dir``; numeric
-        settings out of range are refused before anything is built (``validation.SETTING_RANGES``); with
-        ``--ckpt_path``, the config's model settings apply and a checkpoint of another model is refused."""
+        settings out of range are refused before anything is built (``config_checks.SETTING_RANGES``); the
+        gradient accumulation is derived from the batch sizes (``derive_accumulation``); with ``--ckpt_path``, the
+        config's model settings apply and a checkpoint of another model is refused."""
         config = self.config.get(str(self.subcommand), self.config)
         keep_config_model_settings(self, config)
         check_setting_ranges(config)
+        if not isinstance(self, SFTCLI):
+            derive_accumulation(config)
         place_run_folders(config.get("trainer"))
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -146,13 +154,11 @@ class GRPOCLI(LightningCLI):
             raise trainer_error(err, config.get("trainer")) from err
 
     def default_callbacks(self, trainer: Any, callbacks: list[Any]) -> list[Any]:
-        """What a GRPO run needs that ``callbacks`` lacks: ``OldPolicySync`` (the engine samples the current
-        policy), ``RoundLog`` (a line per round in a log file), a ``RoundProgressBar`` where a bar is shown
+        """What a GRPO run needs that ``callbacks`` lacks: ``RoundLog`` (a line per round in a log file), a
+        ``RoundProgressBar`` where a bar is shown
         (``default_progress_bar``) and, unless ``trainer.enable_checkpointing`` is false, a ``RoundCheckpoint``
         keeping ``<default_root_dir>/checkpoints/last.ckpt`` (``default_checkpoint``)."""
         added: list[Any] = []
-        if not any(isinstance(c, OldPolicySync) for c in callbacks):
-            added.append(OldPolicySync())
         if not any(isinstance(c, RoundLog) for c in callbacks):
             added.append(RoundLog())
         extra = (default_progress_bar(trainer, callbacks), default_checkpoint(trainer, callbacks, rounds=True))

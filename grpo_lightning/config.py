@@ -187,7 +187,7 @@ class ObjectiveConfig:
 
 @dataclass
 class AdvantageConfig:
-    """How a group's rewards become advantages (``data.advantage``): ``grpo_lightning.loss.group_advantages``."""
+    """How a group's rewards become advantages (``data.advantage``): ``grpo_lightning.advantages.group_advantages``."""
 
     baseline: Literal["mean", "rloo"] = "mean"
     """``mean`` of the group (GRPO), or ``rloo``: the mean of the other G - 1 completions."""

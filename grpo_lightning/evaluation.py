@@ -5,7 +5,8 @@ Split like training: the data side generates and scores, the module side keeps t
 - ``HeldOutSampler`` (used by the DataModules' ``val_dataloader``/``test_dataloader`` as the ``collate_fn``):
   each batch of held-out prompts is decoded greedily and, with ``data.eval.num_samples`` = k > 0, sampled k
   times, with the same ``sample_and_score`` a training round uses; the batch it yields holds the scores.
-- ``held_out_loader``: the DataLoader of a rank's share of the held-out rows, with a ``HeldOutSampler``.
+- ``held_out_loader``: the DataLoader of a rank's share of the held-out rows, with a ``HeldOutSampler`` (built by
+  the DataModules' ``val_dataloader``/``test_dataloader``).
 - ``HeldOutMetrics`` (an attribute of the LightningModule): torchmetrics metrics whose states reduce across
   ranks, updated and logged by ``validation_step`` / ``test_step`` from those scores.
 """
@@ -22,12 +23,13 @@ from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 
 from grpo_lightning.config import EvalConfig, SamplingConfig
+from grpo_lightning.engines import RolloutEngine
 from grpo_lightning.environments.base import Environment
 from grpo_lightning.metrics import MajorityAtK, PassAtK, resolve_answer_fn
 from grpo_lightning.rewards.scorer import Scorer
-from grpo_lightning.rollout.policy import EngineHandle, PolicySide
+from grpo_lightning.rollout.policy_side import PolicySide
 from grpo_lightning.rollout.prompts import PromptEncoder
-from grpo_lightning.rollout.sampling import sample_and_score
+from grpo_lightning.rollout.sample_and_score import sample_and_score
 
 
 class HeldOutSampler:
@@ -35,14 +37,15 @@ class HeldOutSampler:
 
     The k samples draw from a generator of their own, seeded by ``seed``, the rank and the batch's first row:
     evaluating (even in the middle of ``fit``) neither changes nor advances the training run's random stream,
-    and is reproducible whatever the order in which batches are fetched.
+    and is reproducible whatever the order in which batches are fetched. ``engine()`` returns the engine on the
+    policy's current weights (``RolloutCollector.evaluation_engine``, ``EngineHandle.current``).
     """
 
     def __init__(
         self,
         *,
         module: Callable[[], PolicySide],
-        engine: EngineHandle,
+        engine: Callable[[], RolloutEngine],
         encoder: Callable[[], PromptEncoder],
         scorer: Scorer,
         sampling: SamplingConfig,
@@ -60,7 +63,7 @@ class HeldOutSampler:
         """``rows``: ``(index in the held-out set, row)`` pairs; returns the scores of their completions."""
         columns = {key: [row[key] for _, row in rows] for key in rows[0][1]}
         module = self.module()
-        engine, encoder = self.engine.get(module), self.encoder()
+        engine, encoder = self.engine(), self.encoder()
         common = {
             "engine": engine,
             "encoder": encoder,
@@ -141,30 +144,13 @@ class HeldOutMetrics(torch.nn.Module):
             put(f"pass@{name}", self.pass_at[name], f"pass_at.{name}")
 
 
-def held_out_loader(datamodule: Any, data: Dataset, batch_size: int) -> DataLoader:
-    """The held-out prompts of this rank, generated and scored batch by batch (``HeldOutSampler``).
-
-    ``datamodule`` provides ``trainer``, ``policy_side``, ``engine``, ``encoder``, ``scorer``, ``sampling``,
-    ``eval`` and ``seed`` (``RolloutDataModule`` and ``SFTDataModule`` do), and ``environment`` when it has one.
-    """
-    trainer = datamodule.trainer
-    rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-    if trainer is not None:  # rewards that read TRL's ``trainer_state`` see the progress of the evaluated policy
-        datamodule.scorer.trainer_state.update(trainer.global_step, trainer.current_epoch)
-    # Contiguous shards, sized as ``datasets.Dataset.shard(contiguous=True)`` sizes them.
-    size, extra = divmod(len(data), world)
+def held_out_loader(
+    data: Dataset, batch_size: int, sampler: HeldOutSampler, *, rank: int = 0, world_size: int = 1
+) -> DataLoader:
+    """This rank's share of the held-out rows (contiguous shards, sized as ``datasets.Dataset.shard(contiguous=
+    True)`` sizes them), generated and scored batch by batch by ``sampler``."""
+    size, extra = divmod(len(data), world_size)
     start = size * rank + min(rank, extra)
     indices = range(start, start + size + (rank < extra))
-    sampler = HeldOutSampler(
-        module=lambda: datamodule.policy_side,
-        engine=datamodule.engine,
-        encoder=datamodule.encoder,
-        scorer=datamodule.scorer,
-        sampling=datamodule.sampling,
-        config=datamodule.eval,
-        seed=datamodule.seed,
-        rank=rank,
-        environment=getattr(datamodule, "environment", None),
-    )
     rows = [(i, data[i]) for i in indices]
     return DataLoader(rows, batch_size=batch_size, shuffle=False, collate_fn=sampler)

@@ -1,4 +1,5 @@
-"""Evaluation metrics: pass@k (unbiased estimator) and maj@k (majority vote), as estimators and torchmetrics.
+"""Metrics: pass@k (unbiased estimator) and maj@k (majority vote), as estimators and torchmetrics; a round's
+rollout metrics merged over ranks (``merge_rank_metrics``).
 
 Every metric here is a ``torchmetrics.Metric`` whose states are sums (``dist_reduce_fx="sum"``): under data
 parallelism each rank scores its own shard of the held-out prompts and the totals are added before dividing, so the
@@ -138,3 +139,20 @@ class MajorityAtK(Metric):
         if self.count == 0:
             return torch.tensor(float("nan"), device=self.hits.device)
         return self.hits.float() / self.count
+
+
+def merge_rank_metrics(ranks: list[dict[str, float]]) -> dict[str, float]:
+    """One set of round metrics from every rank's (in rank order; the same result on every rank).
+
+    A ``*_max`` metric is the maximum over ranks, any other the mean over ranks: every rank's rollout has the same
+    size, so a mean over completions (rewards, lengths, turn counts) is then the mean over all of them; a spread, or
+    a mean over applicable values only, is the ranks' average. NaN marks a metric with no value on a rank
+    (``reward/<name>`` when no completion had an applicable value): that rank is left out of the mean, and the
+    metric is left out when no rank has a value. Keys: every rank's, in order of first appearance.
+    """
+    merged = {}
+    for key in dict.fromkeys(k for rank in ranks for k in rank):
+        values = [rank[key] for rank in ranks if key in rank and rank[key] == rank[key]]  # NaN != NaN
+        if values:
+            merged[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
+    return merged

@@ -1,9 +1,9 @@
 """``GRPOModule``: the policy, the frozen reference model, the log-probs the loss needs, and the GRPO update.
 
-The rollout (sampling, rewards, advantages) is the DataModule's (``rollout/``); this module gives it the policy
-side (``rollout/policy.py: PolicySide``: the policy and tokenizer, the rollout context, π_old's and π_ref's
-log-probs) and trains on what it serves: ``training_step`` → ``grpo_lightning.loss.grpo_loss``. β and π_ref can
-change during a run through ``set_beta`` and ``update_reference`` (``callbacks/kl.py``).
+The rollout (sampling, rewards, advantages) is the data side's (``rollout/collector.py``); this module gives it the
+policy side (``rollout/policy_side.py: PolicySide``: the policy and tokenizer, the rollout context, π_old's and
+π_ref's log-probs) and trains on what it serves: ``training_step`` → ``grpo_lightning.losses.grpo_loss``. β and
+π_ref can change during a run through ``set_beta`` and ``update_reference`` (``callbacks/kl.py``).
 """
 
 from __future__ import annotations
@@ -19,18 +19,18 @@ from torchmetrics import Metric
 from transformers import PreTrainedModel
 
 from grpo_lightning.config import ConfigError, ObjectiveConfig
+from grpo_lightning.config_checks import check_checkpoint_fits, check_ranges
 from grpo_lightning.evaluation import HeldOutMetrics
 from grpo_lightning.guard import NonFiniteGuard, nonfinite_inputs, nonfinite_terms
 from grpo_lightning.lora import LoraConfig, is_peft_model
 from grpo_lightning.losses import STEP_NORMALISED, grpo_loss
+from grpo_lightning.metrics import merge_rank_metrics
 from grpo_lightning.models.build import load_tokenizer
 from grpo_lightning.models.logprobs import DEFAULT_LOGPROB_CHUNK, completion_logprobs
-from grpo_lightning.models.policy import attached_trainer, build_policy, context_length, sampling_context
+from grpo_lightning.models.policy_and_reference import attached_trainer, build_policy, context_length, sampling_context
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.rollout.batch import RolloutBatch
-from grpo_lightning.rollout.round import merge_rank_metrics
 from grpo_lightning.strategies import gather_per_rank
-from grpo_lightning.validation import check_checkpoint_fits, check_ranges
 
 # Lightning loads checkpoints with ``torch.load(weights_only=True)``: the settings objects saved with the
 # hyperparameters must be allowed explicitly, or every resume fails to unpickle them.
@@ -120,7 +120,7 @@ class GRPOModule(LightningModule):
 
     # ----------------------------------------------------------------------------------------- models
     def configure_model(self) -> None:
-        """Build the policy and, when β > 0, its reference (``models/policy.py: build_policy``).
+        """Build the policy and, when β > 0, its reference (``models/policy_and_reference.py: build_policy``).
 
         The reference is a frozen copy of the starting policy, or, with LoRA, the policy itself with the adapter
         disabled (``reference_model``). Under ``ModelParallelStrategy`` both are sharded with FSDP2.

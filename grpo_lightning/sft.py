@@ -28,15 +28,15 @@ from torch.utils.data import DataLoader
 
 from grpo_lightning.config import ConfigError, EvalConfig, SamplingConfig
 from grpo_lightning.engines import RolloutEngine
-from grpo_lightning.evaluation import HeldOutMetrics, held_out_loader
+from grpo_lightning.evaluation import HeldOutMetrics
 from grpo_lightning.lora import LoraConfig
 from grpo_lightning.models.build import load_tokenizer
-from grpo_lightning.models.policy import attached_trainer, build_policy, context_length, sampling_context
+from grpo_lightning.models.policy_and_reference import attached_trainer, build_policy, context_length, sampling_context
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.rewards import RewardSpec
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.data_sources import PromptData
-from grpo_lightning.rollout.policy import EngineHandle, PolicySide
+from grpo_lightning.rollout.policy_side import EngineHandle, PolicySide
 from grpo_lightning.rollout.prompts import Prompt, PromptEncoder, check_prompt_rows, rename_prompt_column, response_text
 
 IGNORE_INDEX = -100  # label of the tokens the loss skips (prompt and padding), as in Hugging Face models
@@ -112,7 +112,7 @@ class SFTModule(LightningModule):
                 lora=self.lora,
             )
 
-    # the policy side of held-out evaluation (``rollout/policy.py``)
+    # the policy side of held-out evaluation (``rollout/policy_side.py``)
     def rollout_context(self) -> AbstractContextManager[None]:
         return sampling_context(attached_trainer(self), self.policy)
 
@@ -305,7 +305,7 @@ class SFTDataModule(PromptData, LightningDataModule):
 
     @property
     def policy_side(self) -> PolicySide:
-        """The LightningModule, as far as generation needs it (see ``rollout/policy.py``)."""
+        """The LightningModule, as far as generation needs it (see ``rollout/policy_side.py``)."""
         return self.trainer.lightning_module
 
     def setup(self, stage: str) -> None:
@@ -354,6 +354,6 @@ class SFTDataModule(PromptData, LightningDataModule):
             if self.trainer is not None and self.trainer.state.fn == "fit":
                 return []  # no held-out data (see ``PromptSource``): training goes on without evaluation
             raise self.sources.no_held_out_error()
-        return held_out_loader(self, self.val_data, self.val_batch_size)
+        return self.held_out_loader(self.val_data, lambda: self.engine.current(self.policy_side))
 
     test_dataloader = val_dataloader  # ``test`` evaluates the same held-out prompts

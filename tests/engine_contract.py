@@ -19,8 +19,8 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 from grpo_lightning.engines import RolloutEngine, SamplingParams
-from grpo_lightning.engines.sampling import filter_logits
-from grpo_lightning.loss import truncated_importance_weights
+from grpo_lightning.engines.token_sampling import filter_logits
+from grpo_lightning.importance import truncated_importance_weights
 from grpo_lightning.models.logprobs import completion_logprobs
 from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
 from grpo_lightning.rollout.prompts import PromptEncoder

@@ -137,3 +137,15 @@ def load_tool(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def attach(module: Any, data: Any, trainer: Any, fn: Any = None) -> None:
+    """``data`` attached to ``trainer`` and ``module`` as ``fit`` would attach them (the rollout collector
+    connected, as ``setup`` connects it), without running anything; ``fn``: the Trainer's function (default fit)."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    data.trainer = trainer
+    trainer.strategy.connect(module)
+    trainer.state.fn = fn or TrainerFn.FITTING
+    if hasattr(data, "collector"):
+        data.collector.connect(module, trainer, data)

@@ -1,11 +1,11 @@
-"""Tests for the advantages of grpo_lightning.loss (group and process). Expected values are derived by hand."""
+"""Tests for the advantages of grpo_lightning.advantages (group and process). Expected values are derived by hand."""
 
 import math
 
 import pytest
 import torch
 
-from grpo_lightning.loss import group_advantages, process_advantages
+from grpo_lightning.advantages import group_advantages, process_advantages
 
 EPS = 1e-4
 

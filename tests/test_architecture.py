@@ -112,7 +112,7 @@ def test_the_lightning_module_depends_on_no_callback_and_the_round_on_no_module(
         return seen
 
     assert not {m for m in reachable("grpo_lightning.module") if m.startswith("grpo_lightning.callbacks")}
-    for lower in ("grpo_lightning.rollout.round", "grpo_lightning.engines", "grpo_lightning.loss"):
+    for lower in ("grpo_lightning.rollout.round", "grpo_lightning.engines", "grpo_lightning.losses"):
         assert "grpo_lightning.module" not in reachable(lower), lower
     assert "grpo_lightning.rollout.datamodule" not in reachable("grpo_lightning.module")
 

@@ -165,7 +165,7 @@ def test_a_reward_that_fails_in_the_background_stops_the_run_with_its_own_error(
         trainer.fit(module, datamodule=data)
     assert "in the rollout worker" in str(raised.value.__cause__)  # its traceback comes along
     assert trainer.current_epoch == 2  # rounds 0 and 1 trained; round 2 (sampled during round 1) failed
-    assert data.background.schedule.worker is None  # teardown stopped the process
+    assert data.collector.background.schedule.worker is None  # teardown stopped the process
 
 
 @register("async_hangs")
@@ -178,7 +178,7 @@ def test_a_worker_that_dies_or_hangs_is_reported_not_waited_for(tmp_path):
 
     class Killed(Callback):
         def on_train_epoch_end(self, trainer, module):
-            trainer.datamodule.background.schedule.worker.process.kill()
+            trainer.datamodule.collector.background.schedule.worker.process.kill()
 
     trainer = quiet_trainer(tmp_path / "killed", max_epochs=3, callbacks=[Killed()])
     with pytest.raises(RuntimeError, match=r"the rollout worker process died \(exit code -9\)"):
@@ -258,7 +258,7 @@ class NoisyEngine(LeanEngine):
 def behaviour_weights_at_a_lag(tmp_path, engine):
     """Round 1 of a lag-1 run with μ = 2 (π_prox recomputed): its rollout's π_prox, μ and the weights and metrics
     the loss computes from them (C = 2)."""
-    from grpo_lightning.loss import truncated_importance_weights
+    from grpo_lightning.importance import truncated_importance_weights
 
     module = GRPOModule(tiny_model=TINY, lr=1e-7)  # the policy barely moves: staleness alone mismatches nothing
     data = lagged(

@@ -22,8 +22,8 @@ TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 CALL = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12*34"}}}
 MISTRAL_LIKE = (  # Mistral's way: [TOOL_CALLS] [{...}] and [TOOL_RESULTS]
     "{%- for m in messages %}{%- if m.role == 'user' %}[INST] {{ m.content }}[/INST]"
-    "{%- elif m.tool_calls %}[TOOL_CALLS] [{%- for c in m.tool_calls %}{\"name\": \"{{ c.function.name }}\", "
-    "\"arguments\": {{ c.function.arguments | tojson }}, \"id\": \"{{ c.id }}\"}{%- endfor %}]</s>"
+    '{%- elif m.tool_calls %}[TOOL_CALLS] [{%- for c in m.tool_calls %}{"name": "{{ c.function.name }}", '
+    '"arguments": {{ c.function.arguments | tojson }}, "id": "{{ c.id }}"}{%- endfor %}]</s>'
     "{%- elif m.role == 'tool' %}[TOOL_RESULTS] {\"content\": {{ m.content | tojson }}}[/TOOL_RESULTS]"
     "{%- else %}{{ m.content }}</s>{%- endif %}{%- endfor %}"
 )

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import quiet_trainer
-from helpers import save_tiny_llama
+from helpers import attach, save_tiny_llama
 from lightning import Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from test_multiturn import ScriptedEngine
@@ -87,13 +87,6 @@ def conversational_file(path: Path, count: int = 8, response: bool = False) -> s
 
 def plain_file(path: Path, count: int = 20) -> str:
     return write_rows(path, [{"prompt": f"{i}+2=", "answer": str(i + 2)} for i in range(count)])
-
-
-def attach(data, module, trainer, fn=TrainerFn.FITTING):
-    """``data`` attached to ``trainer`` and ``module`` as ``fit`` would attach them, without running anything."""
-    data.trainer = trainer
-    trainer.strategy.connect(module)
-    trainer.state.fn = fn
 
 
 # ------------------------------------------------------------------------------------------ rendering
@@ -228,12 +221,12 @@ def test_the_background_worker_renders_prompts_as_the_trainer_does(tmp_path, qwe
         prompts_per_round=2,
         rollout_lag=1,
     )
-    attach(data, module, quiet_trainer(tmp_path))
+    attach(module, data, quiet_trainer(tmp_path))
     module.configure_model()
     data.setup("fit")
     specs = []
     monkeypatch.setattr(schedule, "RolloutWorker", lambda spec, timeout_s: specs.append(spec))
-    data.background._start(data, module, None)
+    data.collector.background._start(data.collector._worker_spec, None)
     sent = pickle.loads(pickle.dumps(specs[0].encoder))  # as the spawned process receives it
     prompts = [conversation(1, 2, system=False), "3+4="]
     assert sent.texts(prompts) == data.encoder().texts(prompts)
@@ -296,7 +289,7 @@ def test_sft_cold_start_on_a_conversational_file(tmp_path, qwen3_model):
 def test_sft_reads_a_response_given_as_an_assistant_message(tmp_path, qwen3_model):
     rows = [{"prompt": conversation(1, 2), "response": [{"role": "assistant", "content": "3"}]}]
     data = SFTDataModule(dataset=write_rows(tmp_path / "pairs.jsonl", rows), val_split=None)
-    attach(data, SFTModule(model_name_or_path=qwen3_model), quiet_trainer(tmp_path))
+    attach(SFTModule(model_name_or_path=qwen3_model), data, quiet_trainer(tmp_path))
     data.setup("fit")
     ids, labels = data.train_examples[0]
     assert [label for label in labels if label != IGNORE_INDEX][:-1] == data.encoder().tokenizer.encode("3")
@@ -340,7 +333,7 @@ def test_a_local_file_without_a_held_out_source_is_never_evaluated_on_its_traini
         (SFTDataModule(dataset=path, response_column="answer"), SFTModule(tiny_model=SMALL)),
     ):
         trainer = quiet_trainer(tmp_path)
-        attach(data, module, trainer)
+        attach(module, data, trainer)
         with caplog.at_level(logging.WARNING, logger="grpo_lightning.rollout.data_sources"):
             data.setup("fit")
         assert data.val_data is None
@@ -368,7 +361,7 @@ def test_val_fraction_holds_out_seeded_rows_that_are_not_trained_on(tmp_path):
     assert split(seed=4)[1] != held  # another seed, another split
     # The data module trains on the rest only, and evaluates (val_limit: the first rows) on the held-out ones.
     data = RolloutDataModule(dataset=path, val_fraction=0.25, seed=3, val_limit=2)
-    attach(data, GRPOModule(tiny_model=SMALL), quiet_trainer(tmp_path))
+    attach(GRPOModule(tiny_model=SMALL), data, quiet_trainer(tmp_path))
     data.setup("fit")
     assert list(data.train_data["prompt"]) == train and list(data.val_data["prompt"]) == held[:2]
     with pytest.raises(ConfigError, match=r"^data\.val_fraction = 0\.5 of 1 rows leaves no row to train on"):

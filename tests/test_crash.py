@@ -61,7 +61,7 @@ class Marker(Callback):
         return os.environ.get(SLOW_ENV, "").rstrip("w") == str(trainer.current_epoch + 1)
 
     def on_fit_start(self, trainer, module):
-        engine = trainer.datamodule.engine.get(module)
+        engine = trainer.datamodule.collector.current_engine()
         generate = engine.generate
 
         def marked_generate(*args, **kwargs):

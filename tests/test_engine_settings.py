@@ -14,14 +14,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import TINY, quiet_trainer
-from helpers import length_reward
+from helpers import attach, length_reward
 
 from grpo_lightning import GRPOModule, RolloutDataModule, SamplingConfig
 from grpo_lightning.config import ConfigError
+from grpo_lightning.config_checks import check_weights_can_leave
 from grpo_lightning.engines import LeanEngine
 from grpo_lightning.rewards import RewardSpec, register
 from grpo_lightning.rollout.round import run_round
-from grpo_lightning.validation import check_weights_can_leave
 
 register("test_filtered_length")(length_reward)
 
@@ -49,8 +49,7 @@ def round_with(tmp_path, engine, old_logprobs="auto", **filters):
         old_logprobs=old_logprobs,
         prompts_per_round=2,
     )
-    data.trainer = quiet_trainer(tmp_path)
-    data.trainer.strategy.connect(module)
+    attach(module, data, quiet_trainer(tmp_path))
     module.configure_model()
     asked = []
 
@@ -60,11 +59,11 @@ def round_with(tmp_path, engine, old_logprobs="auto", **filters):
 
     batch = run_round(
         lambda: {"prompt": ["1+2=", "33+4="]},
-        engine=data.engine.get(module),
+        engine=data.collector.current_engine(),
         encoder=data.encoder(),
         scorer=data.scorer,
         logprobs=logprobs,
-        settings=data.round_settings(),
+        settings=data.collector.round_settings(),
         generator=torch.Generator().manual_seed(0),
     )
     return module, batch, asked
@@ -116,7 +115,7 @@ def test_an_engines_context_shorter_than_the_data_needs_is_refused_before_traini
         r".limit\) of 12 tokens; shorten the prompts or lower max_new_tokens, or raise it",
     ):
         trainer.fit(module, datamodule=data)
-    assert trainer.global_step == 0 and not data.engine.engine.is_setup  # refused before any rollout
+    assert trainer.global_step == 0 and not data.engine.is_setup  # refused before any rollout
 
 
 class ZeRO3(SimpleNamespace):
@@ -134,13 +133,13 @@ def test_deepspeed_zero3_weights_are_refused_where_they_must_leave_the_trainer(e
     empty placeholders. Refused when the data is set up (before any model is built); the built-in engine at lag 0,
     which samples from the trainer's own (gathered) weights, is not."""
     data = RolloutDataModule(engine=engine, rollout_lag=lag, val_split=None, task_kwargs={"test_size": 20})
-    data.trainer = SimpleNamespace(strategy=ZeRO3(), accumulate_grad_batches=1)
+    data.trainer = SimpleNamespace(strategy=ZeRO3(), accumulate_grad_batches=1, lightning_module=None)
     message = rf"^trainer.strategy: DeepSpeed ZeRO-3 partitions the weights, and {refused}"
     with pytest.raises(ConfigError, match=message):
         data.setup("fit")
     assert data.train_data is None  # before the prompts, let alone the model
     check_weights_can_leave(ZeRO3(), LeanEngine(), 0)  # sampled from the trainer's own weights: accepted
-    check_weights_can_leave(SimpleNamespace(), data.engine.engine, lag)  # another strategy: accepted
+    check_weights_can_leave(SimpleNamespace(), data.engine, lag)  # another strategy: accepted
 
 
 def test_partitioned_weights_never_leave_one_by_one():

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RewardSpec, RolloutDataModule, SamplingConfig
 from grpo_lightning.cli import GRPOCLI
+from grpo_lightning.config_checks import check_checkpoint_hparams
 from grpo_lightning.rewards import register
-from grpo_lightning.validation import check_checkpoint_hparams
 
 ROOT = Path(__file__).resolve().parents[1]
 

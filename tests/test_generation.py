@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpo_lightning.engines.lean import sample_completions
-from grpo_lightning.engines.sampling import filter_logits
+from grpo_lightning.engines.token_sampling import filter_logits
 from grpo_lightning.models.logprobs import completion_logprobs, token_logprobs
 
 

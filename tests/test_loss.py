@@ -1,4 +1,4 @@
-"""Tests for grpo_lightning.loss's grpo_loss (advantages: test_advantages.py; TIS: test_tis.py).
+"""Tests for grpo_lightning.losses' grpo_loss (advantages: test_advantages.py; TIS: test_tis.py).
 
 Expected values are derived by hand (plain Python arithmetic).
 """
@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from grpo_lightning.loss import group_advantages, grpo_loss
+from grpo_lightning.advantages import group_advantages
+from grpo_lightning.losses import grpo_loss
 
 EPS = 1e-4
 

@@ -45,7 +45,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo_lightning.loss import grpo_loss
+from grpo_lightning.losses import grpo_loss
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer", reason="trl (a dev dependency) is not installed")
 

@@ -360,7 +360,7 @@ def test_objective_settings_saved_before_these_fields_existed_load_with_their_de
     import io
 
     import grpo_lightning.module  # noqa: F401 (allows ObjectiveConfig for weights_only loading)
-    from grpo_lightning.validation import check_checkpoint_hparams
+    from grpo_lightning.config_checks import check_checkpoint_hparams
 
     old = ObjectiveConfig(epsilon_low=0.2, importance_sampling_level="token")
     for name in ("aggregation", "clip_ratio_c", "loss_kwargs", "off_policy_mask", "kl_importance_weighted"):

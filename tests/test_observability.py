@@ -226,5 +226,6 @@ def test_k_sample_evaluation_matches_a_recomputation(tmp_path):
     assert 0 < first["val/pass@1"] < 1  # the test means something: a mix of right and wrong samples
     # Reproducible, and the rollout's sampling generator is not touched by evaluation.
     untouched = torch.Generator().manual_seed(data.seed).get_state()
-    assert data.generator is None or torch.equal(data.generator.get_state(), untouched)
+    generator = data.collector.generator
+    assert generator is None or torch.equal(generator.get_state(), untouched)
     assert trainer.validate(module, datamodule=data, verbose=False)[0] == first

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from grpo_lightning.config import AdvantageConfig, ConfigError, ObjectiveConfig, SamplingConfig
-from grpo_lightning.loss import grpo_loss, truncated_importance_weights
+from grpo_lightning.importance import truncated_importance_weights
+from grpo_lightning.losses import grpo_loss
 from grpo_lightning.rollout.round import RoundSettings
 
 # One completion of 3 tokens: the policy now (π_θ), at the update's start (π_prox) and the stale sampler (μ).

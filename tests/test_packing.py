@@ -291,7 +291,7 @@ def _round_update(tmp_path, case: str, pack_tokens, balance: bool) -> tuple[torc
             prompts_per_round=4,
             **settings,
         )
-    data.pack_tokens, data.balance_micro_batches = pack_tokens, balance
+    data.collector.pack_tokens, data.collector.balance_micro_batches = pack_tokens, balance
     module.configure_model()
     if case != "multi-turn":
         with torch.no_grad():  # a random model rarely ends a completion: make EOS likely, so lengths vary

@@ -22,9 +22,9 @@ from grpo_lightning.callbacks.policy_sync import OldPolicySync
 from grpo_lightning.checkpoint_io import AtomicCheckpointIO, remove_partial_checkpoints
 from grpo_lightning.cli import TRAINER_DEFAULTS
 from grpo_lightning.config import ConfigError
+from grpo_lightning.config_checks import check_state_dict_shapes
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.rewards import RewardError, RewardSpec, register
-from grpo_lightning.validation import check_state_dict_shapes
 
 PROMPTS, GROUP = 2, 4
 FAIL = {"round": None}  # set to a round number to make the reward below raise in that round's rollout

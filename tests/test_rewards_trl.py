@@ -24,7 +24,7 @@ from grpo_lightning.rewards import RewardError, RewardSpec, register, score
 from grpo_lightning.rewards.inputs import as_completions, call_arguments, completion_text, reward_settings
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.prompts import PromptEncoder
-from grpo_lightning.rollout.sampling import sample_and_score
+from grpo_lightning.rollout.sample_and_score import sample_and_score
 
 TEMPLATE = (
     "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}A: {% endif %}"

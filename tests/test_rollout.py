@@ -9,13 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import TINY, quiet_trainer
-from helpers import length_reward
+from helpers import attach, length_reward
 from lightning import Callback
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.config import AdvantageConfig, ConfigError
 from grpo_lightning.rewards import RewardSpec, register
-from grpo_lightning.rollout import checkpoint_state
+from grpo_lightning.rollout import datamodule as datamodule_module
 from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.rollout.round import compute_advantages, run_round
 
@@ -38,12 +38,6 @@ class Recorder(Callback):
     def on_train_epoch_end(self, trainer, module):
         self.steps_per_epoch.append(trainer.global_step)
         self.positions.append(trainer.datamodule.position)
-
-
-def attach(module, data, trainer):
-    """``data`` attached to ``trainer`` and ``module`` as ``fit`` would attach them, without running anything."""
-    data.trainer = trainer
-    trainer.strategy.connect(module)
 
 
 def make(tmp_path, *, mu=1, beta=0.04, prompts=4, group=4, mini=None, micro=None, accumulate=1, epochs=2):
@@ -181,7 +175,7 @@ def test_old_logprobs_from_the_sampler_equal_a_recomputed_pass(tmp_path, choice)
     )
     attach(module, data, quiet_trainer(tmp_path))
     module.configure_model()
-    engine = data.engine.get(module)
+    engine = data.collector.current_engine()
     asked = {"engine": [], "old": []}  # what the round asked of the engine (its log-probs) and of the module (π_old)
     generate = engine.generate
 
@@ -194,7 +188,7 @@ def test_old_logprobs_from_the_sampler_equal_a_recomputed_pass(tmp_path, choice)
         return module.rollout_logprobs(batch, old=old, ref=ref)
 
     engine.generate = recording_generate
-    settings = data.round_settings()
+    settings = data.collector.round_settings()
     assert settings.optimizer_steps == 2
 
     def round_of(prompt_lists, settings):
@@ -208,7 +202,7 @@ def test_old_logprobs_from_the_sampler_equal_a_recomputed_pass(tmp_path, choice)
             scorer=data.scorer,
             logprobs=recording_logprobs,
             settings=settings,
-            generator=data.sampling_generator(module.device),
+            generator=data.collector.sampling_generator(module.device),
         )
 
     batch = round_of([["1+2=", "33+4="], ["7+8=", "123+4="], ["9+9=", "5+55="], ["1+1=", "2+2="]], settings)
@@ -316,7 +310,7 @@ def test_advantage_std_setting_reaches_the_round(tmp_path, std, expected):
         step_rewards=None,
         unscorable=None,
     )
-    advantages = compute_advantages(batch, data.round_settings(), None)
+    advantages = compute_advantages(batch, data.collector.round_settings(), None)
     assert advantages[0].item() == pytest.approx(expected, rel=1e-6)
 
 
@@ -345,7 +339,7 @@ class TwoRanks:
         return gathered
 
     def state_dicts(self, monkeypatch):
-        monkeypatch.setattr(checkpoint_state, "gather_per_rank", self.gather_per_rank)
+        monkeypatch.setattr(datamodule_module, "gather_per_rank", self.gather_per_rank)
         states = [None, None]
 
         def save(rank):

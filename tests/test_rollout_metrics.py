@@ -16,6 +16,7 @@ import torch
 from grpo_lightning.config import AdvantageConfig, SamplingConfig
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams
 from grpo_lightning.environments import Environment, Step
+from grpo_lightning.metrics import merge_rank_metrics
 from grpo_lightning.models.tiny import build_char_tokenizer
 from grpo_lightning.rewards import RewardSpec, register
 from grpo_lightning.rewards.scorer import Scorer
@@ -203,7 +204,7 @@ def test_merge_rank_metrics_is_nan_aware_and_keeps_every_key() -> None:
             "rollout/only_here": 1.0,
         },
     ]
-    merged = round_module.merge_rank_metrics(ranks)
+    merged = merge_rank_metrics(ranks)
     # x: NaN on rank 0 (no applicable value), so rank 1's; y: no rank has a value, left out; maxima maximised
     assert merged == {
         "rollout/reward_mean": 1.5,
@@ -212,7 +213,7 @@ def test_merge_rank_metrics_is_nan_aware_and_keeps_every_key() -> None:
         "rollout/only_here": 1.0,
     }
     assert list(merged) == ["rollout/reward_mean", "reward/x", "rollout/completion_length_max", "rollout/only_here"]
-    assert round_module.merge_rank_metrics([ranks[0]]) == {
+    assert merge_rank_metrics([ranks[0]]) == {
         "rollout/reward_mean": 1.0,
         "rollout/completion_length_max": 3.0,
     }

@@ -14,7 +14,7 @@ from engine_contract import chi2_critical
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from grpo_lightning.engines.lean import sample_completions
-from grpo_lightning.engines.sampling import filter_logits, sample_next
+from grpo_lightning.engines.token_sampling import filter_logits, sample_next
 from grpo_lightning.models.logprobs import completion_logprobs
 
 # Distinct values (no ties, so top-k/top-p keep the same set whatever the sort order), none at a top-p boundary.

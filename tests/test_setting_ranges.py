@@ -9,7 +9,7 @@ import re
 import pytest
 
 from grpo_lightning.config import ConfigError
-from grpo_lightning.validation import SETTING_RANGES, check_ranges, check_setting_ranges
+from grpo_lightning.config_checks import SETTING_RANGES, check_ranges, check_setting_ranges
 
 # One value each range refuses and one it accepts (edges included).
 RANGE_CASES = {

@@ -15,7 +15,8 @@ import torch
 from engine_contract import check_a_perturbed_engine_is_caught, importance_weights_of
 
 from grpo_lightning.engines import TransformersEngine
-from grpo_lightning.loss import grpo_loss, truncated_importance_weights
+from grpo_lightning.importance import truncated_importance_weights
+from grpo_lightning.losses import grpo_loss
 
 # Trainer and engine probabilities of 3 tokens of one completion, and a second completion with one real token.
 TRAINER = torch.tensor([[0.5, 0.2, 0.9], [0.3, 0.7, 0.7]]).log()

@@ -16,7 +16,7 @@ from grpo_lightning.cli import GRPOCLI
 from grpo_lightning.engines import Completions, RolloutEngine
 from grpo_lightning.models.tiny import build_char_tokenizer
 from grpo_lightning.rewards import RewardSpec, register
-from grpo_lightning.rollout.steps import step_token_ends
+from grpo_lightning.rewards.step_ends import step_token_ends
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -270,5 +270,5 @@ def test_recipe_configs_compose_with_the_quickstart(recipe, monkeypatch):
     if recipe == "gmpo":  # log space: ratios within (e^-0.4, e^0.4)
         assert cli.model.objective.resolved()["epsilon_low"] == 0.4
     if recipe == "dapo":
-        assert cli.datamodule.dynamic_sampling and cli.model.objective.epsilon_high == 0.28
+        assert cli.datamodule.collector.dynamic_sampling and cli.model.objective.epsilon_high == 0.28
         assert cli.datamodule.mask_truncated_completions  # DAPO's overlong filtering (see the test above)

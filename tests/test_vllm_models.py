@@ -85,8 +85,11 @@ def test_a_head_size_without_cpu_kernels_is_refused_in_one_line():
     size = TinyModelConfig(hidden_size=64, num_heads=4, num_layers=1, intermediate_size=64)
     model = build_tiny_llama(size, tokenizer)
     engine = VLLMEngine(max_model_len=64)
-    with pytest.raises(ConfigError, match=r"^data.engine: vllm cannot run this model on CPU: its attention head size "
-                       r"is 16, and vLLM's CPU attention has kernels for 32, 64.*use data.engine: lean"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^data.engine: vllm cannot run this model on CPU: its attention head size "
+        r"is 16, and vLLM's CPU attention has kernels for 32, 64.*use data.engine: lean",
+    ):
         engine.setup(model, tokenizer)
     assert engine.llm is None  # refused before vLLM was started
 

@@ -78,7 +78,6 @@ def worker(out: Path, model_dir: str) -> None:
     from lightning.pytorch.strategies import DDPStrategy
 
     from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
-    from grpo_lightning.callbacks.policy_sync import OldPolicySync
     from grpo_lightning.cli import TRAINER_DEFAULTS
     from grpo_lightning.engines import SamplingParams
     from grpo_lightning.models.logprobs import completion_logprobs
@@ -94,11 +93,11 @@ def worker(out: Path, model_dir: str) -> None:
 
         def on_train_epoch_end(self, trainer, module):
             self.prompts.append(sorted(set(trainer.datamodule.last_rollout.prompts)))
-            self.versions.append(trainer.datamodule.engine.engine.weights_version)
+            self.versions.append(trainer.datamodule.engine.weights_version)
 
         def on_train_end(self, trainer, module):
             data = trainer.datamodule
-            engine = data.engine.get(module)
+            engine = data.collector.current_engine()
             engine.load_weights(module.policy, trainer.global_step)  # the push the next round would start with
             prompt_ids, prompt_mask = data.encoder().encode(["12+34=", "5+6="])
             params = SamplingParams(group_size=2, max_new_tokens=4)
@@ -149,7 +148,7 @@ def worker(out: Path, model_dir: str) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[Probe(), OldPolicySync()],
+        callbacks=[Probe()],
         default_root_dir=out,
     )
     trainer.fit(module, datamodule=data)

@@ -72,7 +72,7 @@ def update_peak_bytes(
     policy, reference), gets its optimizer, computes the rollout's reference log-probs, then one forward and
     backward of the GRPO loss and one optimizer step: weights, reference, gradients and optimizer state all count.
     """
-    from grpo_lightning.loss import grpo_loss
+    from grpo_lightning.losses import grpo_loss
     from grpo_lightning.models.logprobs import completion_logprobs
     from grpo_lightning.rollout.batch import RolloutBatch
 

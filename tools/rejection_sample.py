@@ -33,7 +33,7 @@ from grpo_lightning.cli import GRPOCLI
 from grpo_lightning.engines import build_engine
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.rollout.prompts import load_prompts, rename_prompt_column
-from grpo_lightning.rollout.sampling import sample_and_score
+from grpo_lightning.rollout.sample_and_score import sample_and_score
 
 
 def select_completions(
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     module.to(args.device).eval()
     changes = {"group_size": args.k} | ({"temperature": args.temperature} if args.temperature is not None else {})
     params = data.sampling.params(**changes)
-    engine = build_engine(data.engine.engine)
+    engine = build_engine(data.engine)
     engine.setup(module.policy, module.tokenizer)
     encoder = data.encoder(module.tokenizer)  # the config's chat settings: template, system prompt, kwargs
     generator = torch.Generator(device=args.device).manual_seed(args.seed)

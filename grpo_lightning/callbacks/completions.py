@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from grpo_lightning.config import ConfigError
 from grpo_lightning.rewards.inputs import prompt_text
 from grpo_lightning.rollout.batch import RolloutBatch
+from grpo_lightning.rollout.datamodule import latest_rollout
 
 
 def completion_advantages(rollout: RolloutBatch) -> list[float]:
@@ -75,7 +76,7 @@ class CompletionsTable(Callback):
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero or not is_logging_round(trainer, self.every_n_rounds):
             return
-        rollout = getattr(trainer.datamodule, "last_rollout", None) if trainer.datamodule is not None else None
+        rollout = latest_rollout(trainer)
         loggers = [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
         if rollout is None or not rollout.completions:
             return

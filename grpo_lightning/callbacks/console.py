@@ -10,6 +10,7 @@ from rich.table import Table
 
 from grpo_lightning.callbacks.completions import completion_rows, is_logging_round
 from grpo_lightning.config import ConfigError
+from grpo_lightning.rollout.datamodule import latest_rollout
 
 _TEXT = ("prompt", "completion", "transcript")
 
@@ -45,7 +46,7 @@ class ConsoleSamples(Callback):
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero or not is_logging_round(trainer, self.every_n_rounds):
             return
-        rollout = getattr(trainer.datamodule, "last_rollout", None) if trainer.datamodule is not None else None
+        rollout = latest_rollout(trainer)
         if rollout is None or not rollout.completions:
             return
         count = len(rollout.completions)

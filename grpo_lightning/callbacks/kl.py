@@ -11,6 +11,7 @@ from typing import Any
 from lightning import Callback, LightningModule, Trainer
 
 from grpo_lightning.config import ConfigError
+from grpo_lightning.rollout.datamodule import latest_rollout
 
 
 def adaptive_beta(beta: float, kl: float, target: float, num_samples: int, horizon: int) -> float:
@@ -58,7 +59,7 @@ class KLController(Callback):
         self._kls.clear()
         pl_module.log("train/kl_round", kl)
         if self.target_kl is not None:
-            rollout = getattr(trainer.datamodule, "last_rollout", None)
+            rollout = latest_rollout(trainer)
             num_samples = len(rollout) * trainer.world_size if rollout is not None else 1
             self.beta = adaptive_beta(pl_module.beta, kl, self.target_kl, num_samples, self.horizon)
             pl_module.set_beta(self.beta)

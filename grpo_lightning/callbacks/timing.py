@@ -11,6 +11,8 @@ import time
 
 from lightning import Callback, LightningModule, Trainer
 
+from grpo_lightning.rollout.datamodule import latest_rollout
+
 
 class RoundTimer(Callback):
     """Logs ``time/update``, ``time/round`` and ``time/trained_tokens_per_s`` every round.
@@ -59,7 +61,7 @@ class RoundTimer(Callback):
         metrics = {"time/update": update}
         if update > 0:
             metrics["time/trained_tokens_per_s"] = self._tokens / update
-        rollout = getattr(trainer.datamodule, "last_rollout", None) if trainer.datamodule is not None else None
+        rollout = latest_rollout(trainer)
         if rollout is not None:
             # Every rollout timing is a phase in seconds (generate, score, logprobs, ...) except the rates.
             phases = [v for k, v in rollout.metrics.items() if k.startswith("time/") and not k.endswith("_per_s")]

@@ -8,8 +8,8 @@ Two kinds exist:
 - engines that **share the policy's weights** (``shares_weights = True``: ``lean``, ``transformers``) sample from
   the very module the optimizer updates, so they are always current;
 - engines that **hold their own copy** (``vllm``) must be given the weights after every update
-  (``load_weights``); ``weights_version`` says which optimizer step their copy is from, and the round refuses to
-  sample from a stale copy. ``grpo_lightning.callbacks.OldPolicySync`` does the pushing.
+  (``load_weights``); ``weights_version`` says which optimizer step their copy is from. The round pushes them
+  before it samples, and evaluation before it generates (``rollout/collector.py: RolloutCollector.push_weights``).
 
 What every engine samples, and what its log-probs mean (the same for all; ``tests/engine_contract.py`` checks it):
 
@@ -106,6 +106,8 @@ class RolloutEngine(ABC):
     remote: bool = False
     """Generates in other processes that the trainer pushes to directly (``vllm_server``): at a rollout lag the
     trainer, not the background process, pushes the weights, and the background process holds no model copy."""
+    policy: nn.Module | None = None
+    """The policy it samples from (or whose architecture it copies), once ``setup``."""
 
     def __init__(self) -> None:
         self.weights_version: int | None = None  # the optimizer step of the weights held (engines with a copy)
@@ -121,7 +123,7 @@ class RolloutEngine(ABC):
 
     @property
     def is_setup(self) -> bool:
-        return getattr(self, "policy", None) is not None
+        return self.policy is not None
 
     @abstractmethod
     def generate(
@@ -228,9 +230,7 @@ def concat_completions(chunks: list[Completions], pad_token_id: int) -> Completi
     )
 
 
-def stop_lengths(
-    tokens: Tensor, stop_sequences: tuple[tuple[int, ...], ...], min_new_tokens: int = 0
-) -> Tensor:
+def stop_lengths(tokens: Tensor, stop_sequences: tuple[tuple[int, ...], ...], min_new_tokens: int = 0) -> Tensor:
     """``[N]``: each row's length up to and including its first stop sequence; ``tokens.size(1) + 1`` for none.
 
     A stop sequence counts where its last token is at index ``min_new_tokens`` or later (the rule EOS follows under

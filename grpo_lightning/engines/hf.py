@@ -31,9 +31,7 @@ class StopOnSequences(StoppingCriteria):
     """Ends a row of ``generate()`` once its new tokens end with one of ``sequences`` (token ids) whose last token is
     at index ``min_new_tokens`` or later (the rule of ``engines.base.stop_lengths``)."""
 
-    def __init__(
-        self, sequences: tuple[tuple[int, ...], ...], prompt_length: int, min_new_tokens: int = 0
-    ) -> None:
+    def __init__(self, sequences: tuple[tuple[int, ...], ...], prompt_length: int, min_new_tokens: int = 0) -> None:
         self.sequences, self.prompt_length = [s for s in sequences if s], prompt_length
         self.min_new_tokens = min_new_tokens
 

@@ -18,7 +18,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams, concat_completions, eval_mode
-from grpo_lightning.engines.sampling import draw, filter_logits
+from grpo_lightning.engines.token_sampling import draw, filter_logits
 from grpo_lightning.models.lean import lean_unsupported, mask_positions
 from grpo_lightning.models.lean_decoder import LeanDecoder
 

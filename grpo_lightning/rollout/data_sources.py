@@ -18,7 +18,7 @@ Used by ``RolloutDataModule`` and ``SFTDataModule`` alike.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,9 +26,12 @@ from typing import Any
 import torch
 from datasets import Dataset
 from lightning.pytorch.utilities import rank_zero_only
+from torch.utils.data import DataLoader
 
-from grpo_lightning.config import ConfigError
+from grpo_lightning.config import ConfigError, EvalConfig, SamplingConfig
+from grpo_lightning.engines import RolloutEngine
 from grpo_lightning.environments.base import Environment
+from grpo_lightning.evaluation import HeldOutSampler, held_out_loader
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.prompts import (
     PromptEncoder,
@@ -145,7 +148,14 @@ class PromptSource:
 
 class PromptData:
     """What the data modules (``RolloutDataModule``, ``SFTDataModule``) share: where their rows come from
-    (``sources``) and how their prompts are encoded (``encoder``), from their settings of the same names."""
+    (``sources``), how their prompts are encoded (``encoder``), from their settings of the same names, and how
+    their held-out rows are evaluated (``held_out_loader``, from the settings each declares below)."""
+
+    scorer: Scorer
+    sampling: SamplingConfig
+    eval: EvalConfig
+    seed: int
+    val_batch_size: int
 
     def init_prompts(self, settings: Mapping[str, Any]) -> None:
         """Take the data settings (a data module's ``__init__`` arguments) that say where the rows come from and
@@ -169,6 +179,29 @@ class PromptData:
         self.system_prompt, kwargs = settings["system_prompt"], settings["chat_template_kwargs"]
         check_chat_settings(self.use_chat_template, self.system_prompt, kwargs)
         self.chat_template_kwargs: dict[str, Any] = dict(kwargs or {})
+
+    def held_out_loader(
+        self, data: Dataset, engine: Callable[[], RolloutEngine], environment: Environment | None = None
+    ) -> DataLoader:
+        """``data`` (held-out rows) generated and scored batch by batch on this rank (``evaluation.py``), by the
+        data module's ``scorer``, ``sampling``, ``eval`` and ``seed``; ``engine()``: the engine on the current
+        weights."""
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        if trainer is not None:  # rewards that read TRL's ``trainer_state`` see the progress of the evaluated policy
+            self.scorer.trainer_state.update(trainer.global_step, trainer.current_epoch)
+        sampler = HeldOutSampler(
+            module=lambda: self.policy_side,
+            engine=engine,
+            encoder=self.encoder,
+            scorer=self.scorer,
+            sampling=self.sampling,
+            config=self.eval,
+            seed=self.seed,
+            rank=rank,
+            environment=environment,
+        )
+        return held_out_loader(data, self.val_batch_size, sampler, rank=rank, world_size=world)
 
     def encoder(self, tokenizer: Any = None) -> PromptEncoder:
         """The prompts' encoder for ``tokenizer`` (default: the policy's), with this module's chat settings."""

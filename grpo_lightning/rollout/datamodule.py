@@ -1,52 +1,48 @@
 """``RolloutDataModule``: the prompts, the rollout side of the algorithm, and one fresh rollout per epoch.
 
 One epoch is one rollout round. ``train_dataloader()`` (called at every epoch start, with
-``Trainer(reload_dataloaders_every_n_epochs=1)``) returns a loader whose first batch runs the round
-(``rollout/round.py``: generate → score → filter → advantages → log-probs) on this rank's next
-``prompts_per_round`` prompts; it then serves the rollout for μ passes in mini-batches (one optimizer step
-each) of micro-batches (one forward each). The round runs when the first batch is fetched, after the epoch has
-started: a loader that Lightning builds and never iterates (as when it resumes at an epoch boundary) costs
-nothing and draws no prompt.
+``Trainer(reload_dataloaders_every_n_epochs=1)``) returns a loader whose first batch runs the round on this
+rank's next ``prompts_per_round`` prompts: ``RolloutCollector.collect`` (``rollout/collector.py``: push the
+weights → generate → score → filter → advantages → log-probs → micro-batches); it then serves the rollout for μ
+passes in mini-batches (one optimizer step each) of micro-batches (one forward each). The round runs when the
+first batch is fetched, after the epoch has started: a loader that Lightning builds and never iterates (as when
+it resumes at an epoch boundary) costs nothing and draws no prompt.
 
-Everything a round needs is a setting of this class (the engine, sampling, rewards, advantages, μ); from the
-LightningModule it takes only the policy side (``rollout/policy.py``: the policy, its tokenizer, the log-prob
-passes of π_old and π_ref).
+This class keeps the prompts (their sources, stream and curriculum, the held-out rows); the collector owns the
+engine, the scorer, the environment and the lag schedule. From the LightningModule the data side takes only the
+policy side (``rollout/policy_side.py``: the policy, its tokenizer, the log-prob passes of π_old and π_ref).
+Callbacks read the latest round as ``last_rollout`` (``latest_rollout(trainer)``).
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 from datasets import Dataset
-from lightning import LightningDataModule
+from lightning import LightningDataModule, Trainer
+from torch import Tensor
 from torch.utils.data import DataLoader
 
 from grpo_lightning.config import AdvantageConfig, ConfigError, EvalConfig, SamplingConfig
+from grpo_lightning.config_checks import check_accumulation, check_ranges, check_round_settings, check_weights_can_leave
 from grpo_lightning.engines import RolloutEngine
 from grpo_lightning.environments.base import Environment, check_environment
-from grpo_lightning.evaluation import held_out_loader
 from grpo_lightning.rewards import RewardSpec
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.batch import LazyRound, RolloutBatch
-from grpo_lightning.rollout.checkpoint_state import check_checkpoint_timing, datamodule_state, restore_datamodule
+from grpo_lightning.rollout.checkpoint_timing import check_checkpoint_timing
+from grpo_lightning.rollout.collector import RolloutCollector
 from grpo_lightning.rollout.curriculum import CurriculumConfig, CurriculumSampler
 from grpo_lightning.rollout.data_sources import PromptData, checked_rows
 from grpo_lightning.rollout.multiturn import setup_environment
-from grpo_lightning.rollout.policy import EngineHandle, PolicySide
+from grpo_lightning.rollout.policy_side import PolicySide
 from grpo_lightning.rollout.prompts import load_prompts, prompt_key, prompts_as_keys  # noqa: F401 - load_prompts: kept
-from grpo_lightning.rollout.round import RoundSettings, finish_round, run_round
-from grpo_lightning.rollout.schedule import BackgroundRollouts
 from grpo_lightning.rollout.stream import PromptStream
 from grpo_lightning.strategies import gather_per_rank
-from grpo_lightning.validation import (
-    check_ranges,
-    check_round_settings,
-    check_weights_can_leave,
-    derive_accumulation,
-)
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +121,7 @@ class RolloutDataModule(PromptData, LightningDataModule):
             prompts_per_round: prompts per rank per round; the rollout has ``prompts_per_round × G`` completions.
             mini_batch_size: completions per optimizer step (default: the whole rollout, one step per pass).
             micro_batch_size: completions per forward/backward; ``mini / micro`` micro-batches make an optimizer
-                step, which sets ``trainer.accumulate_grad_batches`` (left unset, or equal to it).
+                step: ``trainer.accumulate_grad_batches`` must equal it (the CLI derives it when left unset).
             num_iterations: μ, optimisation passes over each rollout (DeepSeekMath Alg. 1).
             pack_tokens: padding-free log-prob passes (``models/packing.py``): each micro-batch's sequences laid end
                 to end in bins of this many tokens; ``auto``: bins as long as its longest sequence, when they spare
@@ -165,7 +161,6 @@ class RolloutDataModule(PromptData, LightningDataModule):
         self.scorer = Scorer(
             rewards, accuracy_reward=accuracy_reward, on_error=reward_on_error, timeout_s=reward_timeout_s
         )
-        self.engine = EngineHandle(engine)
         self.environment = check_environment(environment)
         if self.environment is not None:  # its frames (a tool result's) are rendered as the prompts are
             self.environment.chat_template_kwargs = self.chat_template_kwargs
@@ -176,45 +171,61 @@ class RolloutDataModule(PromptData, LightningDataModule):
             )
         self.sampling, self.advantage = sampling or SamplingConfig(), advantage or AdvantageConfig()
         self.eval = eval or EvalConfig()
+        if pack_tokens != "auto" and pack_tokens is not None and (type(pack_tokens) is not int or pack_tokens < 1):
+            raise ConfigError(f"data.pack_tokens must be a number of tokens >= 1, auto or null (got {pack_tokens!r})")
+        self.collector = RolloutCollector(
+            engine=engine,
+            scorer=self.scorer,
+            environment=self.environment,
+            sampling=self.sampling,
+            advantage=self.advantage,
+            prompts_per_round=prompts_per_round,
+            mini_batch_size=mini_batch_size,
+            micro_batch_size=micro_batch_size,
+            num_iterations=num_iterations,
+            pack_tokens=pack_tokens,
+            balance_micro_batches=balance_micro_batches,
+            old_logprobs=old_logprobs,
+            mask_truncated_completions=mask_truncated_completions,
+            dynamic_sampling=dynamic_sampling,
+            max_sampling_rounds=max_sampling_rounds,
+            rollout_lag=rollout_lag,
+            off_policy_correction=off_policy_correction,
+            rollout_threads=rollout_threads,
+            rollout_timeout_s=rollout_timeout_s,
+            seed=seed,
+        )
         check_round_settings(
-            engine=self.engine.engine,
+            engine=self.collector.engine,
             old_logprobs=old_logprobs,
             rollout_lag=rollout_lag,
             correction=off_policy_correction,
             curriculum=curriculum is not None,
         )
-        self.rollout_lag, self.off_policy_correction = rollout_lag, off_policy_correction
-        self.background = (
-            BackgroundRollouts(rollout_lag, self.engine.engine, rollout_threads, rollout_timeout_s)
-            if rollout_lag
-            else None
-        )
-        if pack_tokens != "auto" and pack_tokens is not None and (type(pack_tokens) is not int or pack_tokens < 1):
-            raise ConfigError(f"data.pack_tokens must be a number of tokens >= 1, auto or null (got {pack_tokens!r})")
-        self.pack_tokens, self.balance_micro_batches = pack_tokens, balance_micro_batches
-        self.prompts_per_round, self.num_iterations = prompts_per_round, num_iterations
-        self.mini_batch_size, self.micro_batch_size = mini_batch_size, micro_batch_size
-        self.old_logprobs, self.mask_truncated_completions = old_logprobs, mask_truncated_completions
-        self.dynamic_sampling, self.max_sampling_rounds = dynamic_sampling, max_sampling_rounds
+        self.rollout_lag, self.prompts_per_round = rollout_lag, prompts_per_round
         self.val_batch_size, self.val_limit, self.seed = val_batch_size, val_limit, seed
         self.curriculum = CurriculumSampler(curriculum, seed) if curriculum is not None else None
         self.stream = PromptStream(prompts_per_round, seed, self.curriculum)
         self.train_data: Dataset | None = None
         self.val_data: Dataset | None = None
-        self.last_rollout: RolloutBatch | None = None  # the latest round (for callbacks: tables, KL control)
-        self.generator: torch.Generator | None = None  # the sampling stream of this rank
-        self._generator_state: torch.Tensor | None = None  # restored from a checkpoint, applied at first use
+        self.last_rollout: RolloutBatch | None = None
+        """The latest round's rollout (rank's own): what callbacks read (tables, KL control, timing)."""
 
     # --------------------------------------------------------------------------------- the policy side
     @property
     def policy_side(self) -> PolicySide:
-        """The LightningModule, as far as the rollout needs it (see ``rollout/policy.py``)."""
+        """The LightningModule, as far as the data side needs it (see ``rollout/policy_side.py``)."""
         return self.trainer.lightning_module
+
+    @property
+    def engine(self) -> RolloutEngine:
+        """The rollout engine (the collector's)."""
+        return self.collector.engine
 
     @property
     def rollout_size(self) -> int:
         """Completions per rank per round (fixed, also with dynamic sampling)."""
-        return self.prompts_per_round * self.sampling.group_size
+        return self.collector.rollout_size
 
     @property
     def position(self) -> int:
@@ -225,32 +236,47 @@ class RolloutDataModule(PromptData, LightningDataModule):
         """This rank's next ``prompts_per_round`` rows of the training data."""
         return self.stream.next_rows(self.train_data, self.trainer.global_rank, self.trainer.world_size)
 
-    def sampling_generator(self, device: torch.device) -> torch.Generator:
-        """This rank's sampling stream (seeded by ``seed`` + rank; continued from a checkpoint when resumed)."""
-        if self.generator is None or self.generator.device != device:
-            self.generator = torch.Generator(device=device).manual_seed(self.seed + self.trainer.global_rank)
-            if self._generator_state is not None:
-                self.generator.set_state(self._generator_state)
-                self._generator_state = None
-        return self.generator
+    def observe(self, rollout: RolloutBatch, all_gather: Callable[[Tensor], Tensor] | None) -> None:
+        """Feed the round's pass rates to the curriculum (adds ``curriculum/`` metrics); nothing without one."""
+        if self.curriculum is None:
+            return
+        with prompts_as_keys(rollout):  # groups are matched to prompts by key: a conversation by its JSON
+            self.curriculum.observe(
+                rollout,
+                lambda i: prompt_key(self.train_data[i]["prompt"]),
+                self.sampling.group_size,
+                self.scorer.accuracy_reward,
+                all_gather=all_gather,
+            )
 
     # ----------------------------------------------------------------------------------------------- data
     def setup(self, stage: str) -> None:
         """Load and check the prompts (before any model is built): columns, prompts, lengths, batch sizes."""
+        collector = self.collector
+        collector.connect(self.policy_side, self.trainer, prompts=self)
         if stage == "fit":
-            check_weights_can_leave(self.trainer.strategy, self.engine.engine, self.rollout_lag)
+            check_weights_can_leave(self.trainer.strategy, collector.engine, self.rollout_lag)
+            check_accumulation(
+                self.trainer.accumulate_grad_batches,
+                rollout=collector.rollout_size,
+                mini=collector.mini_batch_size,
+                micro=collector.micro_batch_size,
+            )
             if self.train_data is None:
                 self.train_data = self._checked(self.sources.training_rows(), self.sources.train_where)
-                mini = self.mini_batch_size or self.rollout_size
-                derive_accumulation(self.trainer, self.rollout_size, mini, self.micro_batch_size or mini)
         held_out = self.sources.held_out(self.val_limit) if self.val_data is None else None
         if held_out is not None:
             self.val_data = self._checked(*held_out)
         if stage == "fit":  # at a lag, only checkpoints at round ends can be resumed from
-            check_checkpoint_timing(self)
+            check_checkpoint_timing(
+                self.trainer,
+                lag=self.rollout_lag,
+                round_batches=collector.micro_batches_per_round,
+                held_out=self.val_data is not None,
+            )
 
     def _checked(self, data: Dataset, where: str) -> Dataset:
-        module, engine = self.policy_side, self.engine.engine
+        module, engine = self.policy_side, self.collector.engine
         if self.environment is not None:  # a chat format it cannot tell, a limit its frame does not fit: now
             setup_environment(self.environment, module.tokenizer)
         model_context = module.context_length()
@@ -268,102 +294,24 @@ class RolloutDataModule(PromptData, LightningDataModule):
         )
 
     # ----------------------------------------------------------------------------------------- the round
-    def round_settings(self) -> RoundSettings:
-        """This round's settings; ``optimizer_steps`` = μ × mini-batches per pass."""
-        module, trainer = self.policy_side, self.trainer
-        full_precision = str(trainer.precision) in ("32-true", "32", "64-true")
-        mini = self.mini_batch_size or self.rollout_size
-        engine = self.engine.engine  # its settings only: not set up here (at a lag it never samples a round)
-        return RoundSettings(
-            sampling=self.sampling,
-            advantage=self.advantage,
-            optimizer_steps=self.num_iterations * (self.rollout_size // mini),
-            old_logprobs=self.old_logprobs,
-            engine_logprobs_exact=full_precision and engine.logprobs_match_policy(module.policy),
-            importance_correction=not engine.shares_weights,
-            mask_truncated_completions=self.mask_truncated_completions,
-            dynamic_sampling=self.dynamic_sampling,
-            max_sampling_rounds=self.max_sampling_rounds,
-            environment=self.environment,
-            reference=module.has_reference,
-            rollout_lag=self.rollout_lag,
-            pack_tokens=self.pack_tokens,
-            correction=self.off_policy_correction,
-        )
-
     def collect_round(self) -> list[dict[str, Any]]:
-        """Run this round (``run_round``; at a lag, ``finish_round`` on what the background process sampled) and
-        cut it into the micro-batches of μ passes."""
-        module, trainer = self.policy_side, self.trainer
-        gather = module.all_gather if trainer.world_size > 1 else None
-        per_rank = functools.partial(gather_per_rank, trainer) if trainer.world_size > 1 else None
-        settings = self.round_settings()
-        # Rewards that read TRL's ``trainer_state`` see the training progress this round samples at.
-        self.scorer.trainer_state.update(trainer.global_step, trainer.current_epoch)
-        with module.rollout_context():
-            if self.background is not None:
-                sampled = self.background.take(self, module, trainer.current_epoch)
-                rollout = finish_round(
-                    sampled, logprobs=module.rollout_logprobs, settings=settings, all_gather=gather, per_rank=per_rank
-                )
-                rollout.metrics["rollout/lag"] = float(trainer.current_epoch - sampled.version)
-            else:
-                rollout = run_round(
-                    self.next_prompts,
-                    engine=self.current_engine(module),
-                    encoder=self.encoder(),
-                    scorer=self.scorer,
-                    logprobs=module.rollout_logprobs,
-                    settings=settings,
-                    generator=self.sampling_generator(module.device),
-                    device=module.device,
-                    all_gather=gather,
-                    per_rank=per_rank,
-                )
-        if self.curriculum is not None:  # feed the round's pass rates back; adds curriculum/ metrics
-            with prompts_as_keys(rollout):  # groups are matched to prompts by key: a conversation by its JSON
-                self.curriculum.observe(
-                    rollout,
-                    lambda i: prompt_key(self.train_data[i]["prompt"]),
-                    self.sampling.group_size,
-                    self.scorer.accuracy_reward,
-                    all_gather=gather,
-                )
-        self.last_rollout = rollout
-        mini = self.mini_batch_size or self.rollout_size
-        batches = rollout.micro_batches(
-            micro_batch_size=self.micro_batch_size or mini,
-            mini_batch_size=mini,
-            num_iterations=self.num_iterations,
-            generator=torch.Generator().manual_seed(self.seed + self.position),
-            sum_across_ranks=(lambda t: gather(t).sum(0)) if gather is not None else None,
-            balance_tokens=self.balance_micro_batches,
-        )
-        batches[0]["rollout_metrics"] = rollout.metrics  # logged once per round by the module
+        """This epoch's round (``RolloutCollector.collect``), cut into the micro-batches of μ passes."""
+        self.last_rollout, batches = self.collector.collect(self.trainer.current_epoch)
         return batches
 
-    def current_engine(self, module: PolicySide) -> RolloutEngine:
-        """The engine, set up on ``module``'s policy and refused if it holds stale weights."""
-        engine = self.engine.get(module)
-        if not engine.is_current(module.global_step):
-            raise RuntimeError(
-                f"the {engine.name} engine holds the weights of step {engine.weights_version}, the policy is at "
-                f"step {module.global_step}: add the callback grpo_lightning.callbacks.OldPolicySync (the CLI adds "
-                "it), which gives the engine the policy's weights at every round start"
-            )
-        return engine
-
     def teardown(self, stage: str) -> None:
-        """The engine lets go of what it holds (vLLM: memory, process group); its next use sets it up again. The
-        background process of a lag stops (its rounds in flight are dropped: a checkpoint never needs them)."""
-        self.engine.engine.close()
-        if self.background is not None:
-            self.background.close()
+        """The collector lets go of the engine's memory and stops the background process of a lag."""
+        self.collector.close()
+
+    def on_exception(self, exception: BaseException) -> None:
+        """A run that fails stops its background rollout process too (Lightning runs no teardown after an error;
+        the process would otherwise wait, idle, until this one ends)."""
+        if self.collector.background is not None:
+            self.collector.background.close()
 
     # ----------------------------------------------------------------------------------------- loaders
     def train_dataloader(self) -> DataLoader:
-        mini = self.mini_batch_size or self.rollout_size
-        count = self.num_iterations * (self.rollout_size // mini) * (mini // (self.micro_batch_size or mini))
+        count = self.collector.micro_batches_per_round
         # The batches are ready-made: no sampler, no worker processes, nothing for Lightning to re-split. A
         # generator of its own: creating an iterator draws a seed, and from the global RNG that draw would differ
         # between a resumed run and an uninterrupted one (Lightning creates one iterator fewer on resume).
@@ -382,14 +330,71 @@ class RolloutDataModule(PromptData, LightningDataModule):
     def _eval_loader(self) -> DataLoader:
         if self.val_data is None:
             raise self.sources.no_held_out_error()
-        return held_out_loader(self, self.val_data, self.val_batch_size)
+        return self.held_out_loader(self.val_data, self.collector.evaluation_engine, self.environment)
 
     # ------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Every rank's place in the prompt and sampling streams, and at a lag the rounds sampled ahead (a
-        collective under data parallelism: Lightning calls it on every rank when it saves a checkpoint)."""
-        return datamodule_state(self)
+        collective under data parallelism: Lightning calls it on every rank when it saves a checkpoint). Also the
+        settings that made them (a resume that changes one warns) and the curriculum's pass rates."""
+        mine = self.collector.rank_state()  # at a lag: after waiting for the round in flight (moves the stream)
+        mine["position"] = self.position
+        ranks = gather_per_rank(self.trainer, mine)
+        state = {
+            "position": ranks[0]["position"],  # rank 0's, as checkpoints without ``positions`` have it
+            "positions": [r["position"] for r in ranks],
+            "sampling_generators": [r["sampling_generator"] for r in ranks],
+            "seed": self.seed,
+            "dataset": self.source,
+            "prompts_per_round": self.prompts_per_round,
+            "sampling": dataclasses.asdict(self.sampling),  # what sampled: tools/export_hf.py's generation config
+        }
+        if self.curriculum is not None:  # the per-prompt pass rates: a key of its own
+            state["curriculum"] = self.curriculum.state_dict()
+        if self.collector.background is not None:
+            state["background"] = [r["background"] for r in ranks]
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue the prompt and sampling streams (and the rounds sampled ahead) where the checkpoint left them."""
-        restore_datamodule(self, state_dict)
+        state, trainer = state_dict, self.trainer
+        world = trainer.world_size if trainer is not None else 1
+        rank = trainer.global_rank if trainer is not None else 0
+        self.stream.restore(state.get("positions") or [state.get("position")], rank, world)
+        generators = state.get("sampling_generators") or []
+        queues = state.get("background") or []
+        if queues and len(queues) != world and self.collector.background is not None:
+            log.warning(
+                "the checkpoint's rounds sampled ahead were made by %d processes, this run has %d: they are sampled "
+                "again, from the checkpoint's weights",
+                len(queues),
+                world,
+            )
+        elif queues and self.collector.background is None:
+            log.warning("the checkpoint holds rounds sampled ahead (data.rollout_lag > 0): a run at lag 0 drops them")
+        self.collector.restore_rank(
+            generators[rank] if len(generators) == world else None, queues[rank] if len(queues) == world else None
+        )
+        changed = [
+            f"data.{key}={state[key]!r}"
+            for key, value in (
+                ("seed", self.seed),
+                ("dataset", self.source),
+                ("prompts_per_round", self.prompts_per_round),
+            )
+            if key in state and state[key] != value
+        ]
+        if changed:
+            # Allowed (a new dataset or seed can be intended), but the run then differs from an uninterrupted one.
+            log.warning(
+                "resuming a prompt stream made with %s; it continues at position %d", ", ".join(changed), self.position
+            )
+        if self.curriculum is not None and "curriculum" in state:
+            self.curriculum.load_state_dict(state["curriculum"])
+
+
+def latest_rollout(trainer: Trainer) -> RolloutBatch | None:
+    """The latest round's rollout of ``trainer``'s ``RolloutDataModule`` (None before the first round, or with
+    another DataModule): the interface callbacks read a round through (tables, KL control, timing)."""
+    datamodule = trainer.datamodule
+    return datamodule.last_rollout if isinstance(datamodule, RolloutDataModule) else None

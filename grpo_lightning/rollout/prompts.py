@@ -23,8 +23,8 @@ from datasets import Dataset, load_dataset
 from torch import Tensor
 
 from grpo_lightning.config import ConfigError
+from grpo_lightning.config_checks import check_prompts
 from grpo_lightning.tasks import is_task, load_task
-from grpo_lightning.validation import check_prompts
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 Prompt = str | list[dict[str, Any]]

@@ -22,7 +22,7 @@ from grpo_lightning.environments.base import Environment
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.rollout.prompts import PromptEncoder
-from grpo_lightning.rollout.sampling import sample_and_score
+from grpo_lightning.rollout.sample_and_score import sample_and_score
 
 
 class LogprobFn(Protocol):
@@ -231,23 +231,6 @@ def agreed_names(names: dict[str, list[str]], per_rank: Callable[[Any], list[Any
     ones; the same lists on every rank."""
     ranks = per_rank(names)
     return {column: list(dict.fromkeys(n for rank in ranks for n in rank[column])) for column in names}
-
-
-def merge_rank_metrics(ranks: list[dict[str, float]]) -> dict[str, float]:
-    """One set of round metrics from every rank's (in rank order; the same result on every rank).
-
-    A ``*_max`` metric is the maximum over ranks, any other the mean over ranks: every rank's rollout has the same
-    size, so a mean over completions (rewards, lengths, turn counts) is then the mean over all of them; a spread, or
-    a mean over applicable values only, is the ranks' average. NaN marks a metric with no value on a rank
-    (``reward/<name>`` when no completion had an applicable value): that rank is left out of the mean, and the
-    metric is left out when no rank has a value. Keys: every rank's, in order of first appearance.
-    """
-    merged = {}
-    for key in dict.fromkeys(k for rank in ranks for k in rank):
-        values = [rank[key] for rank in ranks if key in rank and rank[key] == rank[key]]  # NaN != NaN
-        if values:
-            merged[key] = max(values) if key.endswith("_max") else sum(values) / len(values)
-    return merged
 
 
 def informative_groups(batch: RolloutBatch, group_size: int) -> Tensor:

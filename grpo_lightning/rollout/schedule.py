@@ -27,8 +27,8 @@ from torch import Tensor
 
 from grpo_lightning.engines.base import RolloutEngine
 from grpo_lightning.engines.weights import policy_weights
-from grpo_lightning.lora import is_peft_model
 from grpo_lightning.rollout.round import SampledRound
+from grpo_lightning.rollout.stream import PromptStream
 from grpo_lightning.rollout.worker import RolloutWorker, WorkerSpec
 
 
@@ -132,9 +132,9 @@ def _sampled(plain: dict[str, Any]) -> SampledRound:
     return SampledRound(**{**plain, "batch": RolloutBatch(**plain["batch"])})
 
 
-# ---------------------------------------------------------------------------------- the DataModule's side
+# ------------------------------------------------------------------------------- the collector's side
 class BackgroundRollouts:
-    """What ``RolloutDataModule`` holds at a lag: the schedule, the worker it starts, the CPU threads it splits.
+    """What ``RolloutCollector`` holds at a lag: the schedule, the worker it starts, the CPU threads it splits.
 
     On the CPU the background process and the update each get their own threads, so that the overlap is real on
     a small machine: ``rollout_threads`` for the worker (default half of this process's), the rest (at least one)
@@ -147,37 +147,29 @@ class BackgroundRollouts:
         self.threads, self.timeout_s = threads, timeout_s
         self._threads_before: int | None = None
 
-    def take(self, datamodule: Any, module: Any, round_index: int) -> SampledRound:
-        """Round ``round_index``'s rollout (see ``RolloutSchedule.take``); the DataModule's prompt stream follows
-        the worker's. ``time/wait``: how long the trainer waited for it (the generation the update did not hide)."""
+    def take(
+        self,
+        round_index: int,
+        *,
+        worker_spec: Callable[[int | None, int], WorkerSpec],
+        weights: Callable[[], dict[str, Tensor]],
+    ) -> SampledRound:
+        """Round ``round_index``'s rollout (see ``RolloutSchedule.take``). ``worker_spec(position, threads)``: what
+        the worker is started from; ``weights()``: what it is pushed at the round boundary. ``time/wait``: how
+        long the trainer waited for it (the generation the update did not hide)."""
         start = time.perf_counter()
         try:
             sampled = self.schedule.take(
-                round_index,
-                start_worker=lambda position: self._start(datamodule, module, position),
-                weights=lambda: self._weights(datamodule, module),
+                round_index, start_worker=lambda position: self._start(worker_spec, position), weights=weights
             )
         except BaseException:
             self.close()  # a failed or stuck worker is stopped here: Lightning runs no teardown after an error
             raise
-        if self.schedule.position is not None:
-            datamodule.stream.position = self.schedule.position
-        sampled.batch = sampled.batch.to(module.device)  # sent on the CPU; the log-prob passes run on the device
         sampled.timings["wait"] = time.perf_counter() - start
         return sampled
 
-    def _weights(self, datamodule: Any, module: Any) -> dict[str, Tensor]:
-        """What the worker is sent at a round boundary (every worker is idle then): the policy's weights, or, for
-        a remote engine (vLLM servers), only the version the servers now hold: this process pushes the weights to
-        them itself, on every rank at once (the push waits for all ranks)."""
-        if not self.engine.remote:
-            return policy_state(module.policy)
-        engine = datamodule.engine.get(module)
-        if not engine.is_current(module.global_step):
-            engine.load_weights(module.policy, module.global_step)
-        return {"pushed_version": torch.tensor(module.global_step)}
-
-    def state_dict(self, stream: Any) -> dict[str, Any]:
+    def state_dict(self, stream: PromptStream) -> dict[str, Any]:
+        """The schedule's queue, after waiting for the round in flight; ``stream`` then follows the worker's."""
         try:
             state = self.schedule.state_dict()  # waits for the round in flight
         except BaseException:
@@ -198,37 +190,13 @@ class BackgroundRollouts:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
 
-    def _start(self, datamodule: Any, module: Any, position: int | None) -> RolloutWorker:
-        trainer, policy = datamodule.trainer, module.policy
-        base = policy.get_base_model() if is_peft_model(policy) else policy
-        device = str(module.device)
+    def _start(self, worker_spec: Callable[[int | None, int], WorkerSpec], position: int | None) -> RolloutWorker:
         total = torch.get_num_threads()
         threads = self.threads or max(1, total // 2)
-        if torch.device(device).type == "cpu" and self._threads_before is None:
+        spec = worker_spec(position, threads)
+        if torch.device(spec.device).type == "cpu" and self._threads_before is None:
             self._threads_before = total
             torch.set_num_threads(max(1, total - threads))
-        stream = copy.deepcopy(datamodule.stream)
-        if position is not None:
-            stream.position = position
-        precision = str(trainer.precision)
-        spec = WorkerSpec(
-            engine=copy.deepcopy(self.engine),
-            model_config=base.config,
-            generation_config=base.generation_config,
-            dtype=next(policy.parameters()).dtype,
-            tokenizer=module.tokenizer,
-            encoder=datamodule.encoder(module.tokenizer),
-            scorer=datamodule.scorer,
-            settings=datamodule.round_settings(),
-            data=datamodule.train_data,
-            stream=stream,
-            rank=trainer.global_rank,
-            world_size=trainer.world_size,
-            seed=datamodule.seed,
-            device=device,
-            threads=threads,
-            autocast={"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision),
-        )
         return RolloutWorker(spec, timeout_s=self.timeout_s)
 
 

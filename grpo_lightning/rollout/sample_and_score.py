@@ -17,10 +17,10 @@ import torch
 from grpo_lightning.engines.base import RolloutEngine, SamplingParams
 from grpo_lightning.environments.base import Environment
 from grpo_lightning.rewards.scorer import Scorer
+from grpo_lightning.rewards.step_ends import step_token_ends
 from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.rollout.multiturn import generate_trajectories
 from grpo_lightning.rollout.prompts import PromptEncoder
-from grpo_lightning.rollout.steps import step_token_ends
 
 log = logging.getLogger(__name__)
 

@@ -103,17 +103,42 @@ def check_batch_sizes(rollout: int, mini: int, micro: int, accumulate: int) -> i
     return mini // micro
 
 
-def derive_accumulation(trainer: Any, rollout: int, mini: int, micro: int) -> None:
-    """``trainer.accumulate_grad_batches`` from the batch sizes (``check_batch_sizes``), set before training.
+def check_accumulation(accumulate: int, *, rollout: int, mini: int, micro: int) -> None:
+    """The Trainer's gradient accumulation against the batch sizes (``check_batch_sizes``), before training.
 
-    Why set here: the number of micro-batches per optimizer step follows from ``data.mini_batch_size /
-    data.micro_batch_size``; asking for it again in the Trainer's settings only makes room for a contradiction.
-    Lightning reads the attribute at every batch (its own ``GradientAccumulationScheduler`` sets it the same way).
+    ``mini / micro`` micro-batches make an optimizer step; Lightning steps every ``accumulate_grad_batches``. The
+    data side checks they agree and never sets the Trainer's setting: the CLI derives it from the batch sizes when
+    the config leaves it unset (``derive_accumulation``); a ``Trainer`` built in Python is given it.
     """
-    accumulate = check_batch_sizes(rollout, mini, micro, trainer.accumulate_grad_batches)
-    if trainer.accumulate_grad_batches != accumulate:
-        log.info("trainer.accumulate_grad_batches = %d (data.mini_batch_size / data.micro_batch_size)", accumulate)
-        trainer.accumulate_grad_batches = accumulate
+    wanted = check_batch_sizes(rollout, mini, micro, accumulate)
+    if accumulate != wanted:
+        raise ConfigError(
+            f"trainer.accumulate_grad_batches = {accumulate}, but data.mini_batch_size / data.micro_batch_size = "
+            f"{wanted} micro-batches make an optimizer step: set Trainer(accumulate_grad_batches={wanted}) (the CLI "
+            "derives it when unset)"
+        )
+
+
+def derive_accumulation(config: Any) -> None:
+    """The CLI's ``trainer.accumulate_grad_batches`` from ``data``'s batch sizes, where the config leaves it unset
+    (1, Lightning's default): asking for it twice would only make room for a contradiction, which is refused."""
+    data, trainer = config.get("data"), config.get("trainer")
+    if data is None or trainer is None:
+        return
+    sampling = data.get("sampling")
+    group_size = sampling.get("group_size") if sampling is not None else None
+    if not isinstance(group_size, int):
+        from grpo_lightning.config import SamplingConfig
+
+        group_size = SamplingConfig().group_size
+    rollout = data.get("prompts_per_round") * group_size
+    mini = data.get("mini_batch_size") or rollout
+    micro = data.get("micro_batch_size") or mini
+    accumulate = trainer.get("accumulate_grad_batches") or 1
+    wanted = check_batch_sizes(rollout, mini, micro, accumulate)
+    if accumulate != wanted:
+        log.info("trainer.accumulate_grad_batches = %d (data.mini_batch_size / data.micro_batch_size)", wanted)
+        trainer["accumulate_grad_batches"] = wanted
 
 
 def check_round_settings(

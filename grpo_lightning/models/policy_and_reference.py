@@ -16,11 +16,11 @@ import torch
 from transformers import PreTrainedModel
 
 from grpo_lightning.config import ConfigError
+from grpo_lightning.config_checks import config_context_length
 from grpo_lightning.lora import LoraConfig, apply_lora
 from grpo_lightning.models.build import disable_dropout, enable_activation_checkpointing, load_model
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.strategies import broadcast_module, gathered, shard_model
-from grpo_lightning.validation import config_context_length
 
 
 def build_policy(

@@ -1,0 +1,67 @@
+"""What the data side (rollout and evaluation) needs from the LightningModule, and an engine bound to it.
+
+The data side generates; the LightningModule owns the policy. The rollout collector and held-out evaluation read,
+through ``trainer.lightning_module``, only what ``PolicySide`` lists: the policy and tokenizer to sample from,
+the context a rollout runs in (precision, gathered shards) and the log-prob passes of π_old and π_ref. Everything
+else a round needs (rewards, G, μ, advantages, the engine) is the data side's own setting.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from grpo_lightning.engines import RolloutEngine, build_engine
+from grpo_lightning.rollout.batch import RolloutBatch
+
+
+class PolicySide(Protocol):
+    """The LightningModule's part in a rollout (``GRPOModule`` and ``SFTModule`` provide it)."""
+
+    policy: nn.Module
+    tokenizer: Any
+    device: torch.device
+    global_step: int
+    has_reference: bool
+    """Whether the loss has a KL term to a reference model (π_ref's log-probs are then computed)."""
+
+    def rollout_context(self) -> AbstractContextManager[None]:
+        """What generation and rollout log-prob passes run in (the Trainer's precision, gathered weights)."""
+        ...
+
+    def rollout_logprobs(self, batch: RolloutBatch, *, old: bool, ref: bool) -> tuple[Tensor | None, Tensor | None]:
+        """π_old's (``old``) and π_ref's (``ref``) log-probs of the rollout's completion tokens, no gradients."""
+        ...
+
+    def all_gather(self, data: Tensor) -> Tensor:
+        """Every rank's ``data``, stacked (``LightningModule.all_gather``: moved to the module's device first)."""
+        ...
+
+    def context_length(self) -> int | None:
+        """The longest sequence (prompt + completion) the policy supports; None when unknown."""
+        ...
+
+
+class EngineHandle:
+    """The engine of ``data.engine`` for evaluation alone (``SFTDataModule``; a GRPO run's belongs to its
+    ``RolloutCollector``), set up on the module's policy at first use (and again if the module builds a new
+    policy, e.g. a second ``fit`` in the same process)."""
+
+    def __init__(self, spec: str | RolloutEngine) -> None:
+        self.engine = build_engine(spec)  # an unknown name is refused now, before any model loads
+
+    def get(self, module: PolicySide) -> RolloutEngine:
+        """The engine, sampling from ``module.policy``."""
+        if self.engine.policy is not module.policy:
+            self.engine.setup(module.policy, module.tokenizer)
+        return self.engine
+
+    def current(self, module: PolicySide) -> RolloutEngine:
+        """The engine on ``module``'s current weights (pushed first if it holds a stale copy)."""
+        engine = self.get(module)
+        if not engine.is_current(module.global_step):
+            engine.load_weights(module.policy, module.global_step)
+        return engine
