@@ -15,10 +15,19 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 # tools/ holds the measurement helpers some tests use (memory_probe, run_logs): importable by their names.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
+# The tests are laid out like the package, a folder per room (README, Development). A test file reuses what another
+# defines by module name (``from test_resume import fit``), and runs started by a test import test files by name
+# too (a reward ``test_async_kill.counting_reward``, a script run by torchrun importing ``helpers``): every folder
+# is importable here and in every process a test starts.
+TEST_FOLDERS = [str(Path(__file__).resolve().parent)]
+TEST_FOLDERS += [str(p) for p in sorted(Path(TEST_FOLDERS[0]).iterdir()) if p.is_dir() and any(p.glob("test_*.py"))]
+sys.path[1:1] = [folder for folder in TEST_FOLDERS if folder not in sys.path]
+os.environ["PYTHONPATH"] = os.pathsep.join([*TEST_FOLDERS, *filter(None, [os.environ.get("PYTHONPATH")])])
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
+from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama  # noqa: E402
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")

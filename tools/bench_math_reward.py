@@ -15,7 +15,7 @@ Cases, each a completion with the verdict it should get:
   an equal form (right); another problem's answer (a different string), for a number N + 1 and -N, for a number
   with a unit and an exponent (``15\\mbox{ cm}^2``) the number raised to it, a point or interval with its items
   swapped, an "all solutions" list with one dropped, a matrix with an entry changed (wrong).
-* the equivalence table of ``tests/test_rewards_math_forms.py`` (``--no-table`` leaves it out).
+* the equivalence table of ``tests/rewards/test_rewards_math_forms.py`` (``--no-table`` leaves it out).
 
 Every backend runs cold: cached verdicts forgotten, the math-verify worker restarted and warmed up on an unrelated
 pair before the clock starts. Printed: a Markdown table of accuracy, false positives (wrong answers rewarded, out of
@@ -156,8 +156,10 @@ def math_cases(rows: list[dict]) -> list[Case]:
 
 
 def table_cases() -> list[Case]:
-    """The rows of the hand-written equivalence table in ``tests/test_rewards_math_forms.py``."""
-    spec = importlib.util.spec_from_file_location("equivalence_table", REPO / "tests" / "test_rewards_math_forms.py")
+    """The rows of the hand-written equivalence table in ``tests/rewards/test_rewards_math_forms.py``."""
+    spec = importlib.util.spec_from_file_location(
+        "equivalence_table", REPO / "tests" / "rewards" / "test_rewards_math_forms.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return [(completion, reference, expected) for _, completion, reference, expected in module.ROWS]
@@ -208,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = read_jsonl(path, args.limit)
         sets[f"MATH-style {path.name} ({len(rows)} problems)"] = math_cases(rows)
     if not args.no_table:
-        sets["equivalence table (tests/test_rewards_math_forms.py)"] = table_cases()
+        sets["equivalence table (tests/rewards/test_rewards_math_forms.py)"] = table_cases()
 
     print("| cases | backend | checks | accuracy | false positives | false negatives | s / 1,000 checks |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")

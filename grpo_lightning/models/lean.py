@@ -11,7 +11,7 @@ one module call per projection. This file does the same arithmetic with plain te
 
 Only plain, unsharded models of the architectures above take this path (``lean_unsupported`` says why not):
 LoRA-wrapped layers, FSDP2 or DeepSpeed shards, sliding-window attention, attention dropout in training,
-gradient checkpointing and any other architecture use the model's own forward. ``tests/test_lean.py`` checks
+gradient checkpointing and any other architecture use the model's own forward. ``tests/models/test_lean.py`` checks
 logits and log-probs against the ``transformers`` forward for every architecture listed, with padded prompts.
 """
 

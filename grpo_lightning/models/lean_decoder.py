@@ -34,7 +34,7 @@ def cpu_weight_packer(rows: int, min_elements: int = PACK_MIN_ELEMENTS) -> Calla
     ``tools/bench_trl.py``). Small weights stay in cache anyway and gain nothing: they, and weights off the CPU or
     not in float32, are left as they are (None). The function is None when this torch build has no oneDNN. The
     packing ops are torch's own (as used by ``torch.compile``'s CPU backend) but not public API, so a weight that
-    fails to pack is left as it is; ``tests/test_lean.py`` checks packed results against ``F.linear``.
+    fails to pack is left as it is; ``tests/models/test_lean.py`` checks packed results against ``F.linear``.
     """
     if not torch.backends.mkldnn.is_available():
         return None
