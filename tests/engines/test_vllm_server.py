@@ -308,8 +308,8 @@ def test_a_server_killed_mid_round_then_restarted_is_named_and_never_sampled_fro
 # ------------------------------------------------------------------------------------------------- training
 class KillServer(Callback):
     """Kills ``server`` (SIGKILL) mid-round: once round ``after`` + 1 has begun, its checkpoint of round ``after``
-    written. Listed after ``OldPolicySync``: at a lag of 0 the round's push has reached the server and its
-    generation then meets a dead one; at a lag of 1 the round's push (of the round after it) does."""
+    written. The round's first step then meets a dead server: at a lag of 0 its push (or, with the weights
+    current, its generation); at a lag of 1 the push of the round it launches."""
 
     def __init__(self, server: Server, after: int) -> None:
         self.server, self.after = server, after
