@@ -1,99 +1,19 @@
-"""Held-out evaluation: greedy pass@1, and pass@k / maj@k over k sampled completions per prompt.
+"""Held-out evaluation, the module side: greedy pass@1, pass@k and maj@k as torchmetrics (``HeldOutMetrics``).
 
-Split like training: the data side generates and scores, the module side keeps the metrics.
-
-- ``HeldOutSampler`` (used by the DataModules' ``val_dataloader``/``test_dataloader`` as the ``collate_fn``):
-  each batch of held-out prompts is decoded greedily and, with ``data.eval.num_samples`` = k > 0, sampled k
-  times, with the same ``sample_and_score`` a training round uses; the batch it yields holds the scores.
-- ``held_out_loader``: the DataLoader of a rank's share of the held-out rows, with a ``HeldOutSampler`` (built by
-  the DataModules' ``val_dataloader``/``test_dataloader``).
-- ``HeldOutMetrics`` (an attribute of the LightningModule): torchmetrics metrics whose states reduce across
-  ranks, updated and logged by ``validation_step`` / ``test_step`` from those scores.
+Split like training: the data side generates and scores (``rollout/held_out.py: HeldOutSampler``), the module side
+keeps the metrics. ``HeldOutMetrics`` (an attribute of the LightningModule) holds torchmetrics metrics whose states
+reduce across ranks, updated and logged by ``validation_step`` / ``test_step`` from those scores.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from datasets import Dataset
 from lightning import LightningModule
-from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 
-from grpo_lightning.config import EvalConfig, SamplingConfig
-from grpo_lightning.engines import RolloutEngine
-from grpo_lightning.environments.base import Environment
-from grpo_lightning.metrics import MajorityAtK, PassAtK, resolve_answer_fn
-from grpo_lightning.rewards.scorer import Scorer
-from grpo_lightning.rollout.policy_side import PolicySide
-from grpo_lightning.rollout.prompts import PromptEncoder
-from grpo_lightning.rollout.sample_and_score import sample_and_score
-
-
-class HeldOutSampler:
-    """Turns a list of held-out rows into their scored completions (greedy, and k samples when asked).
-
-    The k samples draw from a generator of their own, seeded by ``seed``, the rank and the batch's first row:
-    evaluating (even in the middle of ``fit``) neither changes nor advances the training run's random stream,
-    and is reproducible whatever the order in which batches are fetched. ``engine()`` returns the engine on the
-    policy's current weights (``RolloutCollector.evaluation_engine``, ``EngineHandle.current``).
-    """
-
-    def __init__(
-        self,
-        *,
-        module: Callable[[], PolicySide],
-        engine: Callable[[], RolloutEngine],
-        encoder: Callable[[], PromptEncoder],
-        scorer: Scorer,
-        sampling: SamplingConfig,
-        config: EvalConfig,
-        seed: int,
-        rank: int = 0,
-        environment: Environment | None = None,
-    ) -> None:
-        self.module, self.engine, self.encoder, self.scorer = module, engine, encoder, scorer
-        self.environment = environment  # multi-turn: held-out trajectories run against it too
-        self.sampling, self.config, self.seed, self.rank = sampling, config, seed, rank
-        self.answer_fn = resolve_answer_fn(config.answer_fn)
-
-    def __call__(self, rows: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
-        """``rows``: ``(index in the held-out set, row)`` pairs; returns the scores of their completions."""
-        columns = {key: [row[key] for _, row in rows] for key in rows[0][1]}
-        module = self.module()
-        engine, encoder = self.engine(), self.encoder()
-        common = {
-            "engine": engine,
-            "encoder": encoder,
-            "scorer": self.scorer,
-            "device": module.device,
-            "environment": self.environment,
-        }
-        with torch.no_grad(), module.rollout_context():
-            greedy = sample_and_score(columns, params=self.sampling.params(greedy=True, group_size=1), **common)
-            out: dict[str, Any] = {
-                "reward": greedy.rewards.float(),
-                "length": greedy.completion_mask.sum(-1).float(),
-            }
-            if greedy.correct is not None:  # None: only process rewards, nothing decides "correct"
-                out["correct"] = torch.tensor(greedy.correct, dtype=torch.float32)
-            k = self.config.num_samples
-            if k == 0:
-                return out
-            seed = self.seed + 1_000_003 * (self.rank + 1) + rows[0][0]
-            generator = torch.Generator(device=module.device).manual_seed(seed)
-            params = self.sampling.params(group_size=k, temperature=self.config.temperature, min_new_tokens=0)
-            samples = sample_and_score(columns, params=params, generator=generator, **common)
-        out["sample_reward"] = samples.rewards.float()
-        out["sample_length"] = samples.completion_mask.sum(-1).float()
-        if samples.correct is not None:
-            out["sample_correct"] = torch.tensor(samples.correct).view(-1, k)
-            texts = samples.completions
-            out["sample_answers"] = [[self.answer_fn(t) for t in texts[i : i + k]] for i in range(0, len(texts), k)]
-            out["pass_k"] = self.config.ks
-        return out
+from grpo_lightning.metrics import MajorityAtK, PassAtK
 
 
 class HeldOutMetrics(torch.nn.Module):
@@ -142,15 +62,3 @@ class HeldOutMetrics(torch.nn.Module):
                 self.pass_at[name] = PassAtK(int(value)).to(correct.device)
             self.pass_at[name].update(correct.sum(-1), k)
             put(f"pass@{name}", self.pass_at[name], f"pass_at.{name}")
-
-
-def held_out_loader(
-    data: Dataset, batch_size: int, sampler: HeldOutSampler, *, rank: int = 0, world_size: int = 1
-) -> DataLoader:
-    """This rank's share of the held-out rows (contiguous shards, sized as ``datasets.Dataset.shard(contiguous=
-    True)`` sizes them), generated and scored batch by batch by ``sampler``."""
-    size, extra = divmod(len(data), world_size)
-    start = size * rank + min(rank, extra)
-    indices = range(start, start + size + (rank < extra))
-    rows = [(i, data[i]) for i in indices]
-    return DataLoader(rows, batch_size=batch_size, shuffle=False, collate_fn=sampler)

@@ -31,8 +31,8 @@ from torch.utils.data import DataLoader
 from grpo_lightning.config import ConfigError, EvalConfig, SamplingConfig
 from grpo_lightning.engines import RolloutEngine
 from grpo_lightning.environments.base import Environment
-from grpo_lightning.evaluation import HeldOutSampler, held_out_loader
 from grpo_lightning.rewards.scorer import Scorer
+from grpo_lightning.rollout.held_out import HeldOutSampler, held_out_loader
 from grpo_lightning.rollout.prompts import (
     PromptEncoder,
     check_chat_settings,
@@ -149,7 +149,8 @@ class PromptSource:
 class PromptData:
     """What the data modules (``RolloutDataModule``, ``SFTDataModule``) share: where their rows come from
     (``sources``), how their prompts are encoded (``encoder``), from their settings of the same names, and how
-    their held-out rows are evaluated (``held_out_loader``, from the settings each declares below)."""
+    their held-out rows are evaluated (``held_out_loader``: ``rollout/held_out.py``, from the settings each declares
+    below)."""
 
     scorer: Scorer
     sampling: SamplingConfig
@@ -183,7 +184,7 @@ class PromptData:
     def held_out_loader(
         self, data: Dataset, engine: Callable[[], RolloutEngine], environment: Environment | None = None
     ) -> DataLoader:
-        """``data`` (held-out rows) generated and scored batch by batch on this rank (``evaluation.py``), by the
+        """``data`` (held-out rows) generated and scored batch by batch on this rank (``rollout/held_out.py``), by the
         data module's ``scorer``, ``sampling``, ``eval`` and ``seed``; ``engine()``: the engine on the current
         weights."""
         trainer = self.trainer
