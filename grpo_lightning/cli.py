@@ -40,6 +40,7 @@ from grpo_lightning.environments.tools import ToolBroken
 from grpo_lightning.fit_summary import evaluate_arguments, print_fit_summary
 from grpo_lightning.guard import NonFiniteError
 from grpo_lightning.lora import LoraConfig
+from grpo_lightning.models.teacher import TeacherConfig
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.renamed_keys import PARSER_MODE, migrate_command_line
@@ -71,6 +72,7 @@ _KEY_SOURCES: dict[str, Any] = {
     "model.objective": ObjectiveConfig,
     "model.tiny_model": TinyModelConfig,
     "model.lora": LoraConfig,
+    "model.teacher": TeacherConfig,
     "data.sampling": SamplingConfig,
     "data.advantage": AdvantageConfig,
     "data.eval": EvalConfig,

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
 from grpo_lightning.losses import GENERIC_SETTINGS, PolicyLoss, SettingOutOfRange, check_policy_loss
+from grpo_lightning.losses.entropy import EntropyControl, entropy_settings_problem
 
 if TYPE_CHECKING:
     from grpo_lightning.engines.base import SamplingParams
@@ -116,6 +117,24 @@ class ObjectiveConfig:
     """δ of DeepSeek-V3.2's off-policy sequence mask: a completion with A < 0 whose mean log π_sampler − log π_θ
     exceeds δ leaves the policy loss (TRL suggests 0.5); null: off."""
     entropy_coef: float = 0.0
+    """c of the entropy bonus −c·H_t on each loss token, aggregated like the loss; with ``use_adaptive_entropy``
+    its starting value."""
+    top_entropy_quantile: float = 1.0
+    """ρ in (0, 1]: only the loss tokens whose entropy is in the top ρ of the micro-batch's (all ranks') keep
+    their policy term, and the entropy bonus (the KL term stays): "Beyond the 80/20 Rule" (ρ 0.2), TRL's
+    ``top_entropy_quantile`` (``grpo_lightning.losses.entropy``); 1 keeps every token."""
+    use_adaptive_entropy: bool = False
+    """Skywork-OR1's adaptive ``entropy_coef``, TRL's: after each optimizer step it moves by
+    ``entropy_coef_delta`` within [``entropy_coef_min``, ``entropy_coef_max``], up when the step's mean entropy
+    (of the tokens ``top_entropy_quantile`` keeps) is at or below ``entropy_target``, else down; the bonus acts
+    only while the last step's entropy was at or below the target. Logged as ``train/entropy_coef``, kept in
+    checkpoints."""
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+    entropy_target: float = 0.2
+    """Nats per token; TRL's default. A model's tokens start far above it (2–10 nats): set it near the entropy
+    of the run's first steps (``train/entropy``) for the bonus to act before the entropy collapses."""
     tis_cap: float | None = 2.0
     """C of the truncated importance-sampling correction, used when the engine that sampled is not the trainer
     (vLLM): each token's surrogate is weighted by min(π_old / π_engine, C); null = no correction (the mismatch is
@@ -137,6 +156,8 @@ class ObjectiveConfig:
             raise ConfigError(f"model.objective.tis_cap must be > 1 with tis_mode: mask (got {self.tis_cap})")
         if self.off_policy_mask is not None and self.off_policy_mask < 0:
             raise ConfigError(f"model.objective.off_policy_mask must be >= 0 (got {self.off_policy_mask})")
+        if (problem := entropy_settings_problem(self)) is not None:  # top_entropy_quantile, the adaptive c's
+            raise ConfigError(f"model.objective.{problem}")
         if self.loss_kwargs is not None and not isinstance(self.loss_kwargs, dict):
             raise ConfigError(f"model.objective.loss_kwargs must be a mapping (got {self.loss_kwargs!r})")
         # Imports a user's function now, before any model loads, and checks every loss setting against the ranges
@@ -163,6 +184,10 @@ class ObjectiveConfig:
         except ValueError as err:
             raise ConfigError(f"model.objective: {err}") from None
 
+    def entropy_control(self) -> EntropyControl:
+        """The entropy terms as a run starts: the quantile mask, the bonus's coefficient (``losses/entropy.py``)."""
+        return EntropyControl.from_settings(self)
+
     @property
     def aggregation_in_use(self) -> str:
         """``aggregation``, or the loss's own when unset."""
@@ -187,7 +212,8 @@ class ObjectiveConfig:
 
 @dataclass
 class AdvantageConfig:
-    """How a group's rewards become advantages (``data.advantage``): ``grpo_lightning.advantages.group_advantages``."""
+    """How a group's rewards become advantages (``data.advantage``): ``grpo_lightning.advantages``
+    (``group_advantages``, ``passk_advantages``, GDPO's ``decoupled_sum`` and ``batch_normalized``)."""
 
     baseline: Literal["mean", "rloo"] = "mean"
     """``mean`` of the group (GRPO), or ``rloo``: the mean of the other G - 1 completions."""
@@ -198,6 +224,16 @@ class AdvantageConfig:
     correction, as TRL and verl compute it); at G = 4 the sample std is √(4/3) ≈ 1.155× the population one."""
     eps: float = 1e-4
     """Added to the std."""
+    estimator: Literal["grpo", "passk"] = "grpo"
+    """``grpo``: the group-relative advantage ``baseline`` and ``scale`` describe; ``passk``: verl's ``grpo_passk``
+    (Tang et al. 2025), which trains for the best of ``k`` attempts: in every k-subset of a group only the best
+    completion gains, by how much it beats the best of the others (``scale`` and ``std`` then divide as above)."""
+    k: int | None = None
+    """The attempts of ``estimator: passk``, 2 ≤ k ≤ ``data.sampling.group_size``; null: the group size (verl's)."""
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """With several rewards (TRL 1.16's setting): ``sum_then_normalize`` normalises their weighted sum (GRPO);
+    ``normalize_then_sum`` normalises each reward within its group, sums them with their weights and normalises the
+    sum over the whole batch (GDPO, Liu et al. 2026), with ``std`` and ``eps`` at both steps."""
 
     def __post_init__(self) -> None:
         if self.baseline not in ("mean", "rloo"):
@@ -208,6 +244,60 @@ class AdvantageConfig:
             raise ConfigError(f"data.advantage.std must be population or sample (got {self.std!r})")
         if self.eps <= 0:
             raise ConfigError(f"data.advantage.eps must be > 0 (got {self.eps})")
+        self._check_estimators()
+
+    def _check_estimators(self) -> None:
+        """``estimator``, ``k`` and ``multi_objective_aggregation``, and what they do not combine with."""
+        if self.estimator not in ("grpo", "passk"):
+            raise ConfigError(f"data.advantage.estimator must be grpo or passk (got {self.estimator!r})")
+        if self.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
+            raise ConfigError(
+                "data.advantage.multi_objective_aggregation must be sum_then_normalize or normalize_then_sum "
+                f"(got {self.multi_objective_aggregation!r})"
+            )
+        if self.k is not None and self.estimator != "passk":
+            raise ConfigError(f"data.advantage.k is read by estimator: passk only; leave it null (got {self.k!r})")
+        if self.k is not None and (type(self.k) is not int or self.k < 2):
+            raise ConfigError(
+                f"data.advantage.k must be an integer >= 2 (got {self.k!r}): with one attempt there is no best of "
+                "the others to beat (pass@1 is estimator: grpo)"
+            )
+        if self.estimator == "passk" and self.baseline != "mean":
+            raise ConfigError(
+                "data.advantage.baseline: rloo does not apply to estimator: passk, whose baseline is the best of "
+                "the other attempts; leave baseline: mean"
+            )
+        if self.multi_objective_aggregation == "normalize_then_sum" and self.estimator == "passk":
+            raise ConfigError(
+                "data.advantage.multi_objective_aggregation: normalize_then_sum does not combine with estimator: "
+                "passk (pass@k ranks one reward per completion); use sum_then_normalize"
+            )
+        gdpo = self.multi_objective_aggregation == "normalize_then_sum"
+        if gdpo and (self.scale, self.baseline) != ("group", "mean"):
+            raise ConfigError(
+                "data.advantage.multi_objective_aggregation: normalize_then_sum (GDPO) fixes its own baseline and "
+                "scale (each reward's group mean and std, then the batch's, as TRL does whatever its scale_rewards); "
+                f"leave baseline: mean and scale: group (got {self.baseline}, {self.scale})"
+            )
+
+    def check_round(self, group_size: int, process_rewards: bool) -> None:
+        """Refuse, before training, what needs the group size or the rewards to see (``RolloutCollector`` asks)."""
+        if self.estimator == "passk" and (self.k or group_size) > group_size:
+            raise ConfigError(
+                f"data.advantage.k must be at most data.sampling.group_size={group_size} (got {self.k}): pass@k "
+                "draws its k attempts from a group's completions"
+            )
+        if process_rewards and (self.estimator, self.multi_objective_aggregation) != ("grpo", "sum_then_normalize"):
+            gdpo = self.multi_objective_aggregation == "normalize_then_sum"
+            what = "multi_objective_aggregation: normalize_then_sum" if gdpo else "estimator: passk"
+            raise ConfigError(
+                f"data.advantage.{what} takes outcome rewards only, and data.rewards has a process (step) reward; "
+                "use the defaults (estimator: grpo, sum_then_normalize) with process rewards"
+            )
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Settings pickled in a checkpoint written before a field existed get its default.
+        self.__dict__.update({**{f.name: f.default for f in fields(self)}, **state})
 
 
 @dataclass

@@ -3,7 +3,8 @@
 The rollout (sampling, rewards, advantages) is the data side's (``rollout/collector.py``); this module gives it the
 policy side (``rollout/policy_side.py: PolicySide``: the policy and tokenizer, the rollout context, π_old's and
 π_ref's log-probs) and trains on what it serves: ``training_step`` → ``grpo_lightning.losses.grpo_loss``. β and
-π_ref can change during a run through ``set_beta`` and ``update_reference`` (``callbacks/kl.py``).
+π_ref can change during a run through ``set_beta`` and ``update_reference`` (``callbacks/kl.py``), an adaptive
+entropy coefficient at each optimizer step (``entropy_control``).
 """
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ from grpo_lightning.metrics import merge_rank_metrics
 from grpo_lightning.models.build import load_tokenizer
 from grpo_lightning.models.logprobs import DEFAULT_LOGPROB_CHUNK, completion_logprobs
 from grpo_lightning.models.policy_and_reference import attached_trainer, build_policy, context_length, sampling_context
+from grpo_lightning.models.teacher import Teacher, TeacherConfig
 from grpo_lightning.models.tiny import TinyModelConfig
+from grpo_lightning.optimizer import adamw_with_warmup
 from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.strategies import gather_per_rank
 
 # Lightning loads checkpoints with ``torch.load(weights_only=True)``: the settings objects saved with the
 # hyperparameters must be allowed explicitly, or every resume fails to unpickle them.
-torch.serialization.add_safe_globals([TinyModelConfig, ObjectiveConfig, LoraConfig])
+torch.serialization.add_safe_globals([TinyModelConfig, ObjectiveConfig, LoraConfig, TeacherConfig])
 
 _LOSS_OPTIONS = (
     "loss_type",
@@ -73,6 +76,7 @@ class GRPOModule(LightningModule):
         logprob_chunk_size: int | None = DEFAULT_LOGPROB_CHUNK,
         log_entropy: bool = True,
         max_nonfinite_skips: int = 3,
+        teacher: TeacherConfig | None = None,
     ) -> None:
         """
         Args:
@@ -96,9 +100,11 @@ class GRPOModule(LightningModule):
             logprob_batch_size: rows per forward pass when computing old/reference log-probs at rollout time.
             logprob_chunk_size: completion tokens whose full-vocabulary logits exist at once when computing
                 log-probs (rollout and update); ``None`` computes the whole micro-batch's logits at once.
-            log_entropy: compute and log the policy's per-token entropy (needed when ``entropy_coef`` ≠ 0).
+            log_entropy: compute and log the policy's per-token entropy (computed anyway when the loss needs it).
             max_nonfinite_skips: an optimizer step whose loss or gradients hold a NaN/Inf is skipped (weights
                 unchanged, culprit logged); this many skips in a row stop the run.
+            teacher: on-policy distillation (``models/teacher.py``): a frozen model whose log-prob of each token the
+                student samples, minus the student's, is that token's advantage (weighted by ``teacher.weight``).
         """
         super().__init__()
         self.save_hyperparameters()
@@ -111,10 +117,12 @@ class GRPOModule(LightningModule):
         if max_nonfinite_skips < 1:
             raise ConfigError(f"model.max_nonfinite_skips must be >= 1 (got {max_nonfinite_skips})")
         self.nonfinite = NonFiniteGuard(max_nonfinite_skips)
+        self.teacher = Teacher(teacher) if teacher is not None else None
         self.tokenizer = load_tokenizer(model_name_or_path)
         self.policy: PreTrainedModel | None = None
         self.ref: PreTrainedModel | None = None
         self.beta = self.objective.beta  # the KL weight now: KLController may adapt it (``set_beta``)
+        self.entropy_control = self.objective.entropy_control()  # the entropy bonus's c now (may adapt)
         self.reference_moved = False  # π_ref differs from the starting model (``update_reference``): saved then
         self.evaluator = HeldOutMetrics()
 
@@ -138,6 +146,23 @@ class GRPOModule(LightningModule):
             gradient_checkpointing=self.hparams.gradient_checkpointing,
             lora=self.lora,
         )
+        if self.teacher is not None:  # not a child module: its own device, never in checkpoints
+            self.teacher.build(self.policy, self.tokenizer)
+
+    @property
+    def distillation_weight(self) -> float | None:
+        """λ of on-policy distillation; None without a teacher."""
+        return self.teacher.config.weight if self.teacher is not None else None
+
+    def teacher_logprobs(self, batch: RolloutBatch) -> Tensor:
+        """The teacher's log-probs of the rollout's completion tokens, at its sampling temperature."""
+        args = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+        chunk, rows = self.hparams.logprob_chunk_size, self.hparams.logprob_batch_size
+        options = {"temperature": batch.temperature, "micro_batch_size": rows, "chunk_size": chunk}
+        return self.teacher.logprobs(*args, **options, lean=self.hparams.lean_forward, pack_tokens=batch.pack_tokens)
+
+    def teacher_context_length(self) -> int | None:
+        return self.teacher.context_length() if self.teacher is not None else None
 
     @property
     def has_reference(self) -> bool:
@@ -217,8 +242,8 @@ class GRPOModule(LightningModule):
 
     # ------------------------------------------------------------------------------------------ update
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
-        objective = self.objective
-        with_entropy = self.hparams.log_entropy or objective.entropy_coef != 0
+        objective, control, mask = self.objective, self.entropy_control, batch["loss_mask"]
+        with_entropy = self.hparams.log_entropy or control.needs_entropy
         logprobs, entropy = completion_logprobs(
             self.policy,
             batch["prompt_ids"],
@@ -239,16 +264,16 @@ class GRPOModule(LightningModule):
             batch.get("old_logprobs"),
             batch.get("ref_logprobs"),
             batch["advantages"],
-            batch["loss_mask"],
+            mask,
             max_completion_length=batch["max_completion_length"],
             num_items=batch["num_items"],
             num_rows=batch.get("num_rows"),
             beta=self.beta if self.has_reference else 0.0,
-            entropy=entropy.detach() if entropy is not None and objective.entropy_coef == 0 else entropy,
-            entropy_coef=objective.entropy_coef,
+            **control.loss_settings(entropy, mask, self.all_gather if self.trainer.world_size > 1 else None),
             engine_logprobs=batch.get("engine_logprobs"),
             **{name: getattr(objective, name) for name in _LOSS_OPTIONS},
         )
+        control.accumulate(entropy, mask, metrics.get("top_entropy_threshold"))  # the adaptive c's measurement
         # Checked with the gradients before the optimizer step (one device sync per step, none per micro-batch);
         # if the loss was not finite, these name the culprit.
         terms = {"policy log-probs": logprobs.detach(), "entropy": None if entropy is None else entropy.detach()}
@@ -256,7 +281,7 @@ class GRPOModule(LightningModule):
             loss,
             lambda: (
                 nonfinite_inputs(batch),
-                nonfinite_terms(terms, batch["loss_mask"]),
+                nonfinite_terms(terms, mask),
                 nonfinite_terms(metrics),
                 ["loss"],
             ),
@@ -296,44 +321,23 @@ class GRPOModule(LightningModule):
         self.log_dict(bar, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=1)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        """AdamW over the parameters that train (the adapters only, with LoRA), with linear warm-up.
-
-        Under FSDP2 these are the rank's shards (DTensors), so the optimizer state is sharded too. Plain CPU and
-        CUDA tensors get the fused implementation (one kernel for all parameters, as TRL's default ``optim``)
-        wherever Lightning can clip its gradients. Lightning's AMP plugin (``16-mixed``, ``bf16-mixed``) refuses
-        to clip for an optimizer that unscales gradients inside its step, as the fused one does, whatever the
-        device: with ``trainer.gradient_clip_val`` set under AMP, torch's default implementation is used instead
-        (``foreach`` on CUDA, the same arithmetic; the optimizer step is a small part of a round).
-        """
-        from lightning.pytorch.plugins.precision import MixedPrecision
-
+        """AdamW over the parameters that train (the adapters only, with LoRA), with linear warm-up
+        (``optimizer.py``: fused where Lightning can clip)."""
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        trainer = attached_trainer(self)
-        deepspeed = hasattr(trainer.strategy, "zero_stage_3") if trainer is not None else False
-        amp_clipping = (
-            trainer is not None
-            and bool(trainer.gradient_clip_val)
-            and isinstance(trainer.precision_plugin, MixedPrecision)
+        hp = self.hparams
+        return adamw_with_warmup(
+            params, attached_trainer(self), lr=hp.lr, weight_decay=hp.weight_decay, warmup_steps=hp.warmup_steps
         )
-        fused = (
-            not deepspeed
-            and not amp_clipping
-            and all(type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda") for p in params)
-        )
-        optimizer = torch.optim.AdamW(
-            params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, fused=fused or None
-        )
-        warmup = self.hparams.warmup_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_train_epoch_start(self) -> None:
         # A fit stopped inside an accumulation window leaves that window's queued losses: not this round's.
         self.nonfinite.clear_pending()
+        self.entropy_control.clear_window()
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Non-finite guard: a step whose loss or gradients hold a NaN/Inf leaves the weights as they are."""
+        """Non-finite guard (a step with a NaN/Inf leaves the weights as they are); the entropy coefficient's step."""
         self.nonfinite.before_step(self, optimizer)
+        self.entropy_control.step(self.trainer.strategy.reduce, skipped=self.nonfinite.last_skipped, log=self.log)
 
     def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
         """Step the schedule, except after a step that the non-finite guard skipped."""
@@ -350,16 +354,17 @@ class GRPOModule(LightningModule):
 
     # ------------------------------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Adds the non-finite guard's counts; leaves out π_ref unless it moved (``update_reference``)."""
+        """Adds the non-finite guard's counts and the entropy coefficient; leaves out π_ref unless it moved."""
         checkpoint["nonfinite_guard"] = self.nonfinite.state_dict()
         checkpoint["reference_moved"] = self.reference_moved
+        checkpoint["entropy_coef"] = self.entropy_control.state_dict()
         # The reference is the starting model, re-created on load, unless it moved: checkpoints then stay the
         # size of one model.
         if not self.reference_moved:
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("ref.")}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Refuses another model's checkpoint; restores π_ref (saved or the starting one) and the guard."""
+        """Refuses another model's checkpoint; restores π_ref (saved or the starting one), the guard, entropy c."""
         trainer = attached_trainer(self)
         source = repr(str(getattr(trainer, "ckpt_path", None) or "")) if trainer is not None else "''"
         check_checkpoint_fits(
@@ -375,3 +380,4 @@ class GRPOModule(LightningModule):
                 state.setdefault(f"ref.{key}", value)
         self.reference_moved = bool(checkpoint.get("reference_moved", False))
         self.nonfinite.load_state_dict(checkpoint.get("nonfinite_guard", {}))
+        self.entropy_control.load_state_dict(checkpoint.get("entropy_coef", {}))

@@ -9,6 +9,8 @@
 ``chat_formats.py``    the chat template's own calls (Hermes/Qwen, Llama-3 JSON), found by rendering one;
                        ``tool_format`` picks the format of the ``format`` setting
 ``stops.py``           stop texts in token space: the turn's cut (linear scan) and the engine's stop sequences
+``trl_classes.py``     ``TRLEnvironment``: TRL's ``environment_factory`` classes (public methods as tools, reset,
+                       get_reward; a dict of them chosen per row) in the chat template's own format
 =====================  ==========================================================================================
 
 The rollout that drives them, in token space, is ``grpo_lightning/rollout/multiturn.py``.
@@ -19,10 +21,12 @@ from __future__ import annotations
 from grpo_lightning.environments.base import Environment, Step, check_environment, cut_marker
 from grpo_lightning.environments.tool_env import ToolEnvironment
 from grpo_lightning.environments.tools import ToolBroken, ToolError, calculator, resolve_tool
+from grpo_lightning.environments.trl_classes import TRLEnvironment
 
 __all__ = [
     "Environment",
     "Step",
+    "TRLEnvironment",
     "ToolBroken",
     "ToolEnvironment",
     "ToolError",

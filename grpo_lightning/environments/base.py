@@ -138,6 +138,32 @@ class Environment(ABC):
         """Dataset columns ``reset`` reads (checked before training)."""
         return ()
 
+    def check_rows(self, data: Any, where: str) -> None:
+        """Refuses, in one line (``ConfigError`` naming ``where`` and the row), rows of ``data`` (a ``Dataset`` with
+        the ``required_columns``) that ``reset`` cannot start from; called before training. Accepts all by default."""
+        return None
+
+    def prompt_tools(self, row: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The function schemas the chat template lists in ``row``'s prompt (``apply_chat_template``'s ``tools``);
+        None (the default): the prompt is rendered without tools. Reads only the columns ``required_columns``
+        names (the check before training passes those alone)."""
+        return None
+
+    def trajectory_prompt(self, prompt: Any) -> Any:
+        """The prompt this trajectory starts from, asked after ``reset``: the row's ``prompt`` by default (TRL's
+        environments append reset's observation to its last message instead of answering after the prompt)."""
+        return prompt
+
+    def reward_view(self) -> Any:
+        """This trajectory's entry of the ``environments`` column the reward functions get (TRL's reward functions
+        read their rollouts' environment instances by that name): this copy of the environment by default."""
+        return self
+
+    def final_rewards(self) -> dict[str, float]:
+        """Reward parts of the whole trajectory, asked once when it ends (however it ends: final answer, turn or
+        length limit); added to the turns' ``Step.rewards``. None (an empty dict) by default."""
+        return {}
+
     @abstractmethod
     def reset(self, row: dict[str, Any]) -> str | None:
         """Start a trajectory from a dataset row (``prompt`` and the other columns); the first observation or None."""

@@ -94,7 +94,7 @@ class HermesFormat(ChatTemplateFormat, TaggedCalls):
             name, arguments = call["name"], call.get("arguments", "")
         except (ValueError, KeyError, TypeError, AttributeError):
             return ToolCall(None, calls[-1], 'a call is {"name": ..., "arguments": ...} in JSON')
-        return ToolCall(str(name), argument_text(arguments))
+        return ToolCall(str(name), argument_text(arguments), arguments=arguments)
 
 
 class Llama3JsonFormat(ChatTemplateFormat):
@@ -125,7 +125,8 @@ class Llama3JsonFormat(ChatTemplateFormat):
             return ToolCall(None, text, error)
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return ToolCall(None, text, error)
-        return ToolCall(call["name"], argument_text(call.get("parameters", call.get("arguments", {}))))
+        arguments = call.get("parameters", call.get("arguments", {}))
+        return ToolCall(call["name"], argument_text(arguments), arguments=arguments)
 
 
 def _one_line(err: BaseException) -> str:

@@ -24,6 +24,9 @@ class ToolCall:
     name: str | None
     argument: str
     error: str | None = None
+    arguments: Any = None
+    """A JSON call's arguments as the call wrote them (an object: by name, typed), for tools that take several;
+    None for the tag format, whose call is one text."""
 
 
 class ToolFormat(Protocol):

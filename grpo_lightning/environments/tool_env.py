@@ -34,6 +34,19 @@ from grpo_lightning.rewards.sandbox import SandboxError
 _LARGEST_CUT = 999_999_999
 
 
+def check_result_frame(environment: Environment, format: ToolFormat) -> None:
+    """Refuses, in one line, a ``max_observation_tokens`` of ``environment`` (set up) that cannot hold ``format``'s
+    result frame and a cut marker: every cut result would lose its frame."""
+    smallest = environment.count_tokens(format.result(SHORT_CUT_MARKER))
+    if smallest > environment.max_observation_tokens:
+        full = environment.count_tokens(format.result(cut_marker(_LARGEST_CUT)))
+        raise ConfigError(
+            f"data.environment.init_args.max_observation_tokens = {environment.max_observation_tokens} cannot hold "
+            f"the {format.name} format's result frame and a cut marker: set it to at least {smallest} ({full} to say "
+            "how many characters a cut result lost)"
+        )
+
+
 class ToolEnvironment(Environment):
     """Tools by name (``calculator``, ``python``, ``pkg.module:fn``), called in the format of ``format``."""
 
@@ -82,14 +95,7 @@ class ToolEnvironment(Environment):
         """Picks the format for ``tokenizer`` and checks that an observation's frame fits its token limit."""
         super().setup(tokenizer)
         self.format = tool_format(self.format_name, tokenizer, self.chat_template_kwargs)
-        smallest = self.count_tokens(self.format.result(SHORT_CUT_MARKER))
-        if smallest > self.max_observation_tokens:
-            full = self.count_tokens(self.format.result(cut_marker(_LARGEST_CUT)))
-            raise ConfigError(
-                f"data.environment.init_args.max_observation_tokens = {self.max_observation_tokens} cannot hold the "
-                f"{self.format.name} format's result frame and a cut marker: set it to at least {smallest} ({full} to "
-                "say how many characters a cut result lost)"
-            )
+        check_result_frame(self, self.format)
 
     @property
     def stop_texts(self) -> tuple[str, ...]:

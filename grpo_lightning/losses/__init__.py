@@ -2,9 +2,10 @@
 
 Rooms: ``inputs`` (what a loss reads, the ratios), ``registry`` (name or import path → loss), ``ranges`` (the
 values each loss's settings take), one file per family (``clipped``: grpo, dapo, dr_grpo, bnpo, luspo; ``cispo``;
-``sapo``; ``gmpo``; ``vespo``), ``kl`` (estimators), ``aggregation`` (how per-token losses become one number) and
-``objective`` (``grpo_loss``, which assembles them with the sampler correction, the off-policy mask, the KL and the
-entropy terms). Advantages are in ``grpo_lightning.advantages``.
+``sapo``; ``gmpo``; ``vespo``; ``covariance``: verl's clip_cov, kl_cov), ``kl`` (estimators), ``entropy`` (the
+top-entropy-quantile mask, the adaptive entropy coefficient), ``aggregation`` (how per-token losses become one
+number) and ``objective`` (``grpo_loss``, which assembles them with the sampler correction, the off-policy mask, the
+KL and the entropy terms). Advantages are in ``grpo_lightning.advantages``.
 
 A user's loss: ``model.objective.loss_type: my_pkg.losses:my_loss`` with ``my_loss(inputs: LossInputs, *,
 setting=default, ...) -> (per_token_loss [B, T], metrics)``, its settings' ranges declared with
@@ -13,7 +14,7 @@ setting=default, ...) -> (per_token_loss [B, T], metrics)``, its settings' range
 
 from __future__ import annotations
 
-from grpo_lightning.losses import cispo, clipped, gmpo, sapo, vespo  # noqa: F401 (registers the built-ins)
+from grpo_lightning.losses import cispo, clipped, covariance, gmpo, sapo, vespo  # noqa: F401 (registers them)
 from grpo_lightning.losses.aggregation import AGGREGATIONS, STEP_NORMALISED, aggregate
 from grpo_lightning.losses.inputs import LossInputs
 from grpo_lightning.losses.kl import KL_ESTIMATORS, kl_estimate

@@ -48,6 +48,8 @@ class LossInputs:
             when ``engine_logprobs`` is given, else ``None``. The objective multiplies every loss by them, except a
             loss registered with ``corrects_sampler=True``, which folds them in itself, and the importance-weighted
             KL term by them (``kl.py``).
+        generator: the random source of a loss that draws (Clip-Cov's random selection, ``covariance.py``);
+            ``None``: torch's global generator of the tensors' device (restored with the RNG states on resume).
     """
 
     logprobs: Tensor
@@ -57,6 +59,7 @@ class LossInputs:
     ref_logprobs: Tensor | None = None
     engine_logprobs: Tensor | None = None
     is_weights: Tensor | None = None
+    generator: torch.Generator | None = None
 
     def log_ratio(self) -> Tensor:
         """log ρ_t = log π_θ − log π_old per token, 0 on padding (with gradient)."""

@@ -11,7 +11,8 @@
   sampled by a policy too far from the current one to be a trustworthy negative example); its KL term stays;
 - KL_t: ``kl.kl_estimate`` (k1, k2, k3), optionally importance-weighted (``kl_importance_weighted``) by
   π_θ/π_old · w_t, the whole way from the sampler (``kl.py`` says what that estimates when w_t is truncated);
-- H_t: the entropy bonus;
+- H_t: the entropy bonus, on the tokens the top-entropy-quantile mask keeps (``entropy.py``; all of them at ρ = 1),
+  which also leaves the policy term on those tokens only;
 - aggregate: ``aggregation.aggregate``, the loss's default or a compatible choice.
 """
 
@@ -25,6 +26,7 @@ from torch import Tensor
 
 from grpo_lightning.importance import truncated_importance_weights
 from grpo_lightning.losses.aggregation import aggregate
+from grpo_lightning.losses.entropy import entropy_threshold, high_entropy_mask
 from grpo_lightning.losses.inputs import LEVELS, LossInputs, masked_mean, sequence_mean
 from grpo_lightning.losses.kl import KL_ESTIMATORS, importance_weighted_kl, kl_estimate
 from grpo_lightning.losses.registry import check_policy_loss
@@ -54,6 +56,9 @@ def grpo_loss(
     num_rows: int | float | Tensor | None = None,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    top_entropy_quantile: float = 1.0,
+    entropy_pool: Tensor | None = None,
+    generator: torch.Generator | None = None,
     engine_logprobs: Tensor | None = None,
     tis_cap: float | None = 2.0,
     tis_level: str = "token",
@@ -87,6 +92,13 @@ def grpo_loss(
             this call (``aggregation.py``).
         entropy: optional ``[B, T]`` per-token entropy; logged, and subtracted times ``entropy_coef``.
         entropy_coef: entropy bonus coefficient.
+        top_entropy_quantile: ρ in (0, 1]: only the tokens whose entropy is at or above the (1 − ρ) quantile of
+            ``entropy_pool`` keep their policy term and entropy bonus (TRL's mask; ``losses/entropy.py``); the KL
+            term is kept everywhere and the aggregation still counts every token. Needs ``entropy``.
+        entropy_pool: the entropies the quantile is taken over, NaN entries ignored (the module passes every
+            rank's tokens of the micro-batch); default ``entropy`` under ``mask``.
+        generator: the random source of a loss that draws (``LossInputs.generator``: Clip-Cov's selection);
+            ``None``: torch's global generator of the tensors' device.
         engine_logprobs: ``[B, T]`` the sampling engine's own log-probs when it is not the trainer (vLLM, or an
             older policy at a rollout lag): the policy term (and an importance-weighted KL term) is weighted by
             ``truncated_importance_weights`` (π_old = ``old_logprobs``, or the detached current log-probs when
@@ -97,7 +109,9 @@ def grpo_loss(
         ``(loss, metrics)``; metrics are detached scalars: ``pg_loss`` (the policy term, same aggregation),
         ``kl``, ``ratio_mean``/``ratio_min``/``ratio_max`` (at the loss's ratio level), ``entropy`` (when given),
         the loss's own (the clipped losses: ``clip_frac_low``, ``clip_frac_high``, ``clip_frac``), the sampler
-        correction's and ``off_policy_masked_frac``; token means over ``mask``, 0 when it is empty.
+        correction's, ``off_policy_masked_frac`` and, at ρ < 1, ``top_entropy_threshold`` (the entropy the mask
+        starts at; 0 without tokens) and ``top_entropy_frac`` (the tokens kept); token means over ``mask``, 0 when
+        it is empty.
     """
     shape = logprobs.shape
     if logprobs.dim() != 2:
@@ -113,6 +127,10 @@ def grpo_loss(
         raise ValueError("beta != 0 requires ref_logprobs")
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+    if not 0 < top_entropy_quantile <= 1:
+        raise ValueError(f"top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}")
+    if top_entropy_quantile < 1 and entropy is None:
+        raise ValueError("top_entropy_quantile < 1 needs the per-token entropy")
     if importance_sampling_level not in (None, *LEVELS):
         raise ValueError(f"importance_sampling_level must be one of {LEVELS}, got {importance_sampling_level!r}")
     generic = {"epsilon_low": epsilon_low, "epsilon_high": epsilon_high, "delta": delta}
@@ -134,7 +152,7 @@ def grpo_loss(
         is_weights, correction_metrics = truncated_importance_weights(
             old, engine_logprobs, mask, cap=tis_cap, level=tis_level, mode=tis_mode
         )
-    inputs = LossInputs(logprobs, old, adv, mask, ref_logprobs, engine_logprobs, is_weights)
+    inputs = LossInputs(logprobs, old, adv, mask, ref_logprobs, engine_logprobs, is_weights, generator)
 
     pg_per_token, loss_metrics = policy(inputs, generic, loss_kwargs)
     if pg_per_token.shape != shape:
@@ -147,6 +165,13 @@ def grpo_loss(
         dropped = (adv < 0) & (sequence_mean(drift, mask) > off_policy_mask).unsqueeze(1)
         pg_per_token = torch.where(dropped, torch.zeros_like(pg_per_token), pg_per_token)
         correction_metrics["off_policy_masked_frac"] = masked_mean(dropped.to(old.dtype), mask)
+    kept = mask  # the tokens whose policy term and entropy bonus count
+    if top_entropy_quantile < 1:
+        threshold = entropy_threshold(entropy, mask, top_entropy_quantile, pool=entropy_pool)
+        kept = high_entropy_mask(entropy, mask, threshold)
+        pg_per_token = torch.where(kept, pg_per_token, torch.zeros_like(pg_per_token))
+        correction_metrics["top_entropy_threshold"] = torch.where(threshold.isfinite(), threshold, 0.0)
+        correction_metrics["top_entropy_frac"] = masked_mean(kept.to(old.dtype), mask)
     per_token = pg_per_token
 
     kl = None
@@ -155,7 +180,7 @@ def grpo_loss(
         if beta != 0:
             per_token = per_token + beta * (importance_weighted_kl(kl, inputs, level) if kl_importance_weighted else kl)
     if entropy is not None and entropy_coef != 0:
-        per_token = per_token - entropy_coef * entropy
+        per_token = per_token - entropy_coef * torch.where(kept, entropy, torch.zeros_like(entropy))
 
     settings = {"num_items": num_items, "num_rows": num_rows, "max_completion_length": max_completion_length}
     loss = aggregate(per_token, mask, aggregation, **settings)

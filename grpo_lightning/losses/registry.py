@@ -15,7 +15,9 @@ Each loss declares the values its settings take with ``@setting_ranges`` (``rang
 import path as a built-in one, e.g. ``@setting_ranges(cap=Range("(0, inf)", "a weight cap"))`` or the interval
 alone, ``cap="(0, inf)"``. A value outside is refused with the setting, the loss and the range, e.g.
 ``model.objective.epsilon_low = 1.2 is outside loss_type 'grpo''s range [0, 1) (...)``; a generic setting read
-without a declared range keeps ``GENERIC_RANGES``.
+without a declared range keeps ``GENERIC_RANGES``. A rule between settings (Clip-Cov's lower bound below its upper
+one) is a function on the loss, ``fn.check_settings(settings)``, given every setting (the defaults filled in) and
+raising ``SettingOutOfRange`` or ``ValueError`` in one line.
 
 Built-in losses register with ``@register_policy_loss`` when the package is imported (its ``__init__`` imports
 the families after this module, which imports none of them); a config names one, or a function by import path
@@ -63,6 +65,9 @@ class PolicyLoss:
             ``importance_sampling_level``, default ``"token"``); used for the logged ratio statistics.
         corrects_sampler: the loss folds the engine's importance weights in itself (``LossInputs.is_weights``),
             so the objective must not multiply by them again.
+        micro_batch_statistics: the loss selects tokens by statistics of the call's tokens (verl's Clip-Cov and
+            KL-Cov: a covariance over the micro-batch, a number of tokens in proportion to it), so that its step,
+            whatever the aggregation, depends on how the step's rows are split into micro-batches and ranks.
         source: the paper (or peer) the definition and its fixed choices follow, for messages and docs.
     """
 
@@ -73,6 +78,7 @@ class PolicyLoss:
     level: str | None = None
     corrects_sampler: bool = False
     source: str = ""
+    micro_batch_statistics: bool = False
 
     @cached_property
     def parameters(self) -> dict[str, inspect.Parameter]:
@@ -138,6 +144,10 @@ class PolicyLoss:
             if parameter.default is inspect.Parameter.empty and key not in given:
                 raise ValueError(f"loss_type {self.name!r} needs {key}: set it in model.objective.loss_kwargs")
         self.check_ranges(given, loss_kwargs)
+        rule = getattr(self.fn, "check_settings", None)
+        if rule is not None:
+            defaults = {k: p.default for k, p in self.parameters.items() if p.default is not inspect.Parameter.empty}
+            rule({**defaults, **given})
 
     def check_ranges(self, given: dict[str, Any], loss_kwargs: dict[str, Any]) -> None:
         """Refuse a given setting outside its declared range (``SettingOutOfRange``, one line). ``None`` passes
@@ -175,6 +185,7 @@ def register_policy_loss(
     level: str | None = None,
     corrects_sampler: bool = False,
     source: str = "",
+    micro_batch_statistics: bool = False,
 ) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator: make ``fn`` a ``model.objective.loss_type`` named ``name`` (see ``PolicyLoss`` for the rest).
 
@@ -188,7 +199,7 @@ def register_policy_loss(
         if name in _REGISTRY and _REGISTRY[name].fn is not fn:
             raise ValueError(f"a policy loss is already registered as {name!r}")
         allowed = (aggregation,) if fixed else AGGREGATIONS
-        spec = PolicyLoss(name, fn, aggregation, allowed, level, corrects_sampler, source)
+        spec = PolicyLoss(name, fn, aggregation, allowed, level, corrects_sampler, source, micro_batch_statistics)
         _check_signature(spec)
         _REGISTRY[name] = spec
         return fn

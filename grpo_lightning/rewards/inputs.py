@@ -22,7 +22,8 @@ from grpo_lightning.config import ConfigError
 # Keyword arguments the rollout passes to every call: a reward's ``kwargs`` cannot set them (the call's would win).
 PASSED_BY_ROLLOUT = (
     *("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"),
-    *("completion_lengths", "transcripts"),  # columns the rollout adds (policy tokens; multi-turn transcripts)
+    # columns the rollout adds (policy tokens; multi-turn transcripts and each trajectory's environment)
+    *("completion_lengths", "transcripts", "environments"),
 )
 
 Completion = str | list[dict[str, Any]]

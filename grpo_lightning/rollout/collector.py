@@ -94,6 +94,7 @@ class RolloutCollector:
         self.engine = build_engine(engine)  # an unknown name is refused now, before any model loads
         self.scorer, self.environment = scorer, environment
         self.sampling, self.advantage = sampling, advantage
+        advantage.check_round(sampling.group_size, process_rewards=bool(scorer.process))  # k <= G, outcome rewards
         self.prompts_per_round, self.num_iterations = prompts_per_round, num_iterations
         self.mini_batch_size = mini_batch_size or self.rollout_size
         self.micro_batch_size = micro_batch_size or self.mini_batch_size
@@ -137,6 +138,18 @@ class RolloutCollector:
     def micro_batches_per_round(self) -> int:
         return self.optimizer_steps * (self.mini_batch_size // self.micro_batch_size)
 
+    def context_limit(self) -> tuple[int | None, str]:
+        """The longest prompt + completion a round can take, and what sets it (for the data's check before
+        training): the model's context, the engine's (vLLM's ``max_model_len``) or the teacher's."""
+        policy = self.policy
+        model = policy.context_length()
+        limit = self.engine.max_context(model)
+        name = "the model's context" if limit == model else self.engine.context_name
+        teacher = policy.teacher_context_length()
+        if teacher is not None and (limit is None or teacher < limit):
+            limit, name = teacher, "model.teacher's context"
+        return limit, name
+
     def round_settings(self) -> RoundSettings:
         """The algorithm's settings of a round (the engine's settings only: it is not set up here)."""
         full_precision = str(self._trainer.precision) in ("32-true", "32", "64-true") if self._trainer else True
@@ -155,6 +168,8 @@ class RolloutCollector:
             rollout_lag=self.rollout_lag,
             pack_tokens=self.pack_tokens,
             correction=self.off_policy_correction,
+            reward_weights={spec.name: spec.weight for spec, _ in self.scorer.outcome},
+            teacher_weight=self.policy.distillation_weight,
         )
 
     # ----------------------------------------------------------------------------------------- a round
@@ -181,9 +196,15 @@ class RolloutCollector:
                 )
             else:  # 1–4 at a lag: push to the background process, launch round k + L, take round k
                 sampled = self._take_from_background(round_index)
-            # 5. group-relative advantages, the loss mask, 6. π_old's and π_ref's log-probs (no gradients)
+            # 5. group-relative advantages, the loss mask, 6. π_old's and π_ref's log-probs (no gradients); with a
+            # teacher, its log-probs and the distillation advantage
             rollout = finish_round(
-                sampled, logprobs=policy.rollout_logprobs, settings=settings, all_gather=gather, per_rank=per_rank
+                sampled,
+                logprobs=policy.rollout_logprobs,
+                settings=settings,
+                all_gather=gather,
+                per_rank=per_rank,
+                teacher=policy.teacher_logprobs if settings.teacher_weight is not None else None,
             )
         if self.engine.is_setup:  # 7. generation's memory back to the update (vLLM's sleep mode)
             self.engine.offload()

@@ -72,6 +72,8 @@ class PromptSource:
     val_split: str | None = "test"
     val_fraction: float | None = None
     seed: int = 0
+    curriculum: bool = False
+    """``data.curriculum`` is set: a task with difficulty levels (``reasoning_gym:<task>``) makes rows of each."""
 
     def __post_init__(self) -> None:
         fraction = self.val_fraction
@@ -99,7 +101,9 @@ class PromptSource:
         return f"data.dataset ({self.dataset}, split {self.train_split})"
 
     def _load(self, source: str, split: str, setting: str) -> Dataset:
-        return load_prompts(source, split, subset=self.subset, task_kwargs=self.task_kwargs, setting=setting)
+        return load_prompts(
+            source, split, subset=self.subset, task_kwargs=self.task_kwargs, setting=setting, curriculum=self.curriculum
+        )
 
     def training_rows(self) -> Dataset:
         """The rows to train on (without the held-out ones of ``val_fraction``)."""
@@ -175,6 +179,7 @@ class PromptData:
             self.val_split,
             settings["val_fraction"],
             settings["seed"],
+            curriculum=settings.get("curriculum") is not None,  # SFT's data module has no curriculum
         )
         self.prompt_column, self.use_chat_template = settings["prompt_column"], settings["use_chat_template"]
         self.system_prompt, kwargs = settings["system_prompt"], settings["chat_template_kwargs"]
@@ -235,6 +240,13 @@ def checked_rows(
     missing = [column for column in needed if column not in data.column_names]
     if missing:
         raise ConfigError(f"{where} has no column {missing[0]!r}, which data.environment reads")
+    tools = None
+    if environment is not None:
+        environment.check_rows(data, where)
+        # The prompts list them: their lengths count. A row's tools depend on the columns the environment reads.
+        reads = data.select_columns(list(needed)) if needed else [{}] * len(data)
+        tools = [environment.prompt_tools(row) for row in reads]
+        tools = tools if any(tools) else None
     check_prompt_rows(
         data,
         where,
@@ -242,6 +254,7 @@ def checked_rows(
         context_length=context_length,
         max_new_tokens=max_new_tokens,
         context_name=context_name,
+        tools=tools,
     )
     return data
 

@@ -276,11 +276,9 @@ class RolloutDataModule(PromptData, LightningDataModule):
             )
 
     def _checked(self, data: Dataset, where: str) -> Dataset:
-        module, engine = self.policy_side, self.collector.engine
         if self.environment is not None:  # a chat format it cannot tell, a limit its frame does not fit: now
-            setup_environment(self.environment, module.tokenizer)
-        model_context = module.context_length()
-        context = engine.max_context(model_context)
+            setup_environment(self.environment, self.policy_side.tokenizer)
+        context, context_name = self.collector.context_limit()
         return checked_rows(
             data,
             where,
@@ -290,7 +288,7 @@ class RolloutDataModule(PromptData, LightningDataModule):
             environment=self.environment,
             context_length=context,
             max_new_tokens=self.sampling.max_new_tokens,
-            context_name="the model's context" if context == model_context else engine.context_name,
+            context_name=context_name,
         )
 
     # ----------------------------------------------------------------------------------------- the round

@@ -16,6 +16,11 @@
        environment fits its observations to ``max_observation_tokens`` (``Environment.fit_observation``: the text
        cut, its frame kept); the rollout cuts an oversize one's tokens only as a last resort, with a warning.
 
+An environment may choose a trajectory's prompt after ``reset``: the function schemas the chat template lists
+(``prompt_tools``) and the prompt itself (``trajectory_prompt``: TRL's classes append reset's text to its last
+message); it is rendered and tokenized once, and a group whose trajectories share it still samples its first turn
+with one prefill. ``final_rewards`` is asked once per trajectory when it ends (TRL's ``get_reward``).
+
 The whole trajectory after the prompt is the "completion" of the rest of the pipeline: ``completion_mask`` = every
 token (all are context for the log-prob passes), ``action_mask`` = the policy's tokens only, which becomes the
 round's ``loss_mask``: environment tokens are in the context but out of the loss, the KL and every loss metric.
@@ -58,12 +63,15 @@ class Trajectories:
     env_rewards: dict[str, list[float]] = field(default_factory=dict)  # per trajectory, summed over its turns
     stats: dict[str, list[float]] = field(default_factory=dict)  # turns, policy/env tokens, environment metrics
     environment_s: float = 0.0  # seconds spent in the environment (its steps and resets)
+    prompts: list[Any] = field(default_factory=list)  # each trajectory's prompt (``Environment.trajectory_prompt``)
+    environments: list[Any] = field(default_factory=list)  # each trajectory's ``Environment.reward_view()``
 
 
 @dataclass
 class _Trajectory:
     env: Environment
     prompt: list[int]
+    source: Any  # the prompt before tokens: the row's, or the environment's (``trajectory_prompt``)
     ids: list[int] = field(default_factory=list)
     action: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -175,12 +183,17 @@ def generate_trajectories(
 
     started = time.perf_counter()
     trajectories = []
+    rendered = False  # an environment chose a trajectory's prompt: its tools listed, or reset's text inside
     for b in range(prompt_ids.size(0)):
         prompt = prompt_ids[b][prompt_mask[b].bool()].tolist()
         row = {name: values[b] for name, values in rows.items()}
         for _ in range(group):
-            trajectory = _Trajectory(env=environment.spawn(), prompt=prompt)
+            trajectory = _Trajectory(env=environment.spawn(), prompt=prompt, source=row["prompt"])
             first = trajectory.env.reset(row)
+            own, tools = trajectory.env.trajectory_prompt(row["prompt"]), trajectory.env.prompt_tools(row)
+            if tools or own is not row["prompt"]:
+                trajectory.prompt = encoder.text_token_ids([encoder.render(own, tools)])[0]
+                trajectory.source, rendered = own, True
             if first:
                 observed = observation_ids(environment, first, tokenizer)
                 trajectory.append(observed, policy=False)
@@ -189,6 +202,12 @@ def generate_trajectories(
                     trajectory.active, trajectory.truncated = False, True
             trajectories.append(trajectory)
     env_seconds += time.perf_counter() - started
+    pad = tokenizer.pad_token_id
+    # A group samples its first turn with one prefill while its trajectories share their prompt (a deterministic
+    # reset); a prompt of a trajectory's own is sampled on its own, as later turns are.
+    grouped = all(t.prompt == trajectories[i - i % group].prompt for i, t in enumerate(trajectories))
+    if rendered and grouped:
+        prompt_ids, prompt_mask = _left_padded([t.prompt for t in trajectories[::group]], pad, device)
 
     for turn in range(environment.max_turns):
         active = [t for t in trajectories if t.active]
@@ -196,13 +215,13 @@ def generate_trajectories(
             break
         limits = [min(turn_limit, total_limit - len(t.ids)) for t in active]
         turn_params = params.with_(max_new_tokens=max(limits), stop_sequences=stop_ids)
-        if turn == 0 and not any(t.ids for t in trajectories):
+        if turn == 0 and grouped and not any(t.ids for t in trajectories):
             # All trajectories of a group share their context: the engine's group sampling, one prefill per prompt.
             out = engine.generate(
                 prompt_ids, prompt_mask, turn_params, generator=generator, return_logprobs=return_logprobs
             )
         else:
-            ids, mask = _left_padded([t.prompt + t.ids for t in active], tokenizer.pad_token_id, device)
+            ids, mask = _left_padded([t.prompt + t.ids for t in active], pad, device)
             out = engine.generate(
                 ids,
                 mask,
@@ -251,17 +270,23 @@ def generate_trajectories(
                 continue
             trajectory.append(observed, policy=False)
             trajectory.segments.append(tokenizer.decode(observed))
+    start = time.perf_counter()
+    for trajectory in trajectories:  # what the environment scores once per trajectory (TRL's get_reward)
+        for name, value in trajectory.env.final_rewards().items():
+            trajectory.rewards[name] = trajectory.rewards.get(name, 0.0) + float(value)
+    env_seconds += time.perf_counter() - start
+    if rendered:  # each trajectory's own prompt
+        prompt_ids, prompt_mask = _left_padded([t.prompt for t in trajectories], pad, device)
+    else:
+        prompt_ids, prompt_mask = prompt_ids.repeat_interleave(group, 0), prompt_mask.repeat_interleave(group, 0)
     logprob_kinds = (return_logprobs, with_policy_logprobs)
-    return _assemble(
-        trajectories, prompt_ids, prompt_mask, group, tokenizer.pad_token_id, env_seconds, device, logprob_kinds
-    )
+    return _assemble(trajectories, prompt_ids, prompt_mask, pad, env_seconds, device, logprob_kinds)
 
 
 def _assemble(
     trajectories: list[_Trajectory],
     prompt_ids: Tensor,
     prompt_mask: Tensor,
-    group: int,
     pad_token_id: int,
     env_seconds: float,
     device: torch.device | str,
@@ -270,8 +295,8 @@ def _assemble(
     ids = _right_padded([t.ids for t in trajectories], pad_token_id, torch.long, device)
     mask = _right_padded([[1] * len(t.ids) for t in trajectories], 0, torch.long, device)
     completions = Completions(
-        prompt_ids=prompt_ids.repeat_interleave(group, dim=0),
-        prompt_mask=prompt_mask.repeat_interleave(group, dim=0),
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
         completion_ids=ids,
         completion_mask=mask,
         truncated=torch.tensor([t.truncated for t in trajectories], device=ids.device),
@@ -298,4 +323,6 @@ def _assemble(
         env_rewards={name: [t.rewards.get(name, 0.0) for t in trajectories] for name in names},
         stats=stats,
         environment_s=env_seconds,
+        prompts=[t.source for t in trajectories],
+        environments=[t.env.reward_view() for t in trajectories],
     )

@@ -27,6 +27,8 @@ class PolicySide(Protocol):
     global_step: int
     has_reference: bool
     """Whether the loss has a KL term to a reference model (π_ref's log-probs are then computed)."""
+    distillation_weight: float | None
+    """λ of on-policy distillation (``model.teacher``); None without a teacher."""
 
     def rollout_context(self) -> AbstractContextManager[None]:
         """What generation and rollout log-prob passes run in (the Trainer's precision, gathered weights)."""
@@ -36,8 +38,16 @@ class PolicySide(Protocol):
         """π_old's (``old``) and π_ref's (``ref``) log-probs of the rollout's completion tokens, no gradients."""
         ...
 
+    def teacher_logprobs(self, batch: RolloutBatch) -> Tensor:
+        """The teacher's log-probs ``[N, T]`` of the rollout's completion tokens (with ``distillation_weight``)."""
+        ...
+
     def all_gather(self, data: Tensor) -> Tensor:
         """Every rank's ``data``, stacked (``LightningModule.all_gather``: moved to the module's device first)."""
+        ...
+
+    def teacher_context_length(self) -> int | None:
+        """The longest sequence the teacher reads (``model.teacher``); None without one, or unknown."""
         ...
 
     def context_length(self) -> int | None:

@@ -44,13 +44,16 @@ def load_prompts(
     subset: str | None = None,
     task_kwargs: dict | None = None,
     setting: str = "data.dataset",
+    curriculum: bool = False,
 ) -> Dataset:
-    """A built-in task's split, a local jsonl/json/parquet/csv file, or a split of a Hub dataset.
+    """A built-in task's split (``reasoning_gym:<task>`` too), a local jsonl/json/parquet/csv file, or a split of a
+    Hub dataset.
 
-    ``setting`` names the config key that gave ``source``, for error messages.
+    ``setting`` names the config key that gave ``source``, for error messages; ``curriculum`` (``data.curriculum``
+    is set): a task with difficulty levels makes rows of every level (``tasks.load_task``).
     """
-    if is_task(source):
-        splits = load_task(source, **(task_kwargs or {}))
+    if is_task(source):  # a ``reasoning_gym:`` name imports reasoning-gym only here, when a config names one
+        splits = load_task(source, curriculum=curriculum, **(task_kwargs or {}))
         if split not in splits:
             raise ConfigError(f"task {source!r} has no split {split!r}; it has {', '.join(splits)}")
         return splits[split]
@@ -181,9 +184,15 @@ class PromptEncoder:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return messages
 
-    def render(self, prompt: Prompt) -> str:
-        """The text the model is given for one prompt."""
+    def render(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> str:
+        """The text the model is given for one prompt; ``tools``: function schemas the chat template lists in it
+        (``apply_chat_template``'s ``tools``, as TRL renders a prompt for its environments' tools)."""
         if not self.use_chat_template:
+            if tools:
+                raise ConfigError(
+                    "data.environment lists its tools in the prompt through the chat template: set "
+                    "data.use_chat_template to auto or true, with a tokenizer that has one"
+                )
             if is_conversation(prompt):
                 raise ConfigError(
                     "data.prompt_column holds conversations (lists of {role, content} messages), which need a chat "
@@ -198,6 +207,7 @@ class PromptEncoder:
             add_generation_prompt=not prefilled,
             continue_final_message=prefilled,
             **self.chat_template_kwargs,
+            **({"tools": tools} if tools else {}),  # `if tools`: Llama's template writes its tool preamble for []
         )
 
     def texts(self, prompts: list[Prompt]) -> list[str]:
@@ -249,15 +259,17 @@ def check_prompt_rows(
     context_length: int | None = None,
     max_new_tokens: int = 0,
     context_name: str = "the model's context",
+    tools: Sequence[list[dict[str, Any]] | None] | None = None,
 ) -> None:
     """Every prompt is a non-empty string or a well-formed conversation the encoder can render, and the longest
-    one as the model is given it, plus the completion, fits the context (``validation.check_prompts``)."""
+    one as the model is given it, plus the completion, fits the context (``validation.check_prompts``). ``tools``:
+    each row's function schemas, listed in its prompt (an environment's ``prompt_tools``)."""
     prompts = data["prompt"]
     for row, prompt in enumerate(prompts):
         problem = prompt_problem(prompt)
         if problem is not None:
             raise ConfigError(f"{where} row {row}: {problem}")
-    texts = encoder.texts(list(prompts))
+    texts = encoder.texts(list(prompts)) if tools is None else [encoder.render(p, t) for p, t in zip(prompts, tools)]
     check_prompts(
         {"prompt": texts},  # rendered: the lengths are the model's
         where,

@@ -15,10 +15,17 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor
 
-from grpo_lightning.advantages import group_advantages, process_advantages
+from grpo_lightning.advantages import (
+    batch_normalized,
+    decoupled_sum,
+    group_advantages,
+    passk_advantages,
+    process_advantages,
+)
 from grpo_lightning.config import AdvantageConfig, ConfigError, SamplingConfig
 from grpo_lightning.engines.base import RolloutEngine
 from grpo_lightning.environments.base import Environment
+from grpo_lightning.models.teacher import distillation_advantages
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.rollout.prompts import PromptEncoder
@@ -60,12 +67,20 @@ class RoundSettings:
     correction: Literal["decoupled", "behaviour", "none"] = "decoupled"
     """At a lag: ``decoupled`` (ratio to π_prox, the policy at the update's start, times the behaviour weight
     π_prox / μ, truncated or masked), ``behaviour`` (ratio to μ directly) or ``none`` (ratio to π_prox only)."""
+    teacher_weight: float | None = None
+    """On-policy distillation (``model.teacher``): λ of the per-token advantage λ · (log π_T − log π_S)
+    (``models/teacher.py``); None: no teacher. π_S, the student's log-probs, are then recorded as π_old."""
+    reward_weights: dict[str, float] = field(default_factory=dict)
+    """Each outcome reward's weight (``data.rewards``), for GDPO's weighted sum; a column not named here (an
+    environment's reward part, which joins the total as it is) weighs 1."""
 
     @property
     def record_old(self) -> bool:
         """Whether the loss needs π_old's log-probs: after a round's first optimizer step the policy is no longer
-        the one the ratio is taken to; at a lag with ``behaviour``, the ratio is to the sampler's (μ) always."""
-        return self.optimizer_steps > 1 or (self.rollout_lag > 0 and self.correction == "behaviour")
+        the one the ratio is taken to; at a lag with ``behaviour``, the ratio is to the sampler's (μ) always; with a
+        teacher, π_S of the distillation advantage."""
+        lagged_behaviour = self.rollout_lag > 0 and self.correction == "behaviour"
+        return self.optimizer_steps > 1 or lagged_behaviour or self.teacher_weight is not None
 
     @property
     def old_from_engine(self) -> bool:
@@ -176,9 +191,11 @@ def finish_round(
     settings: RoundSettings,
     all_gather: Callable[[Tensor], Tensor] | None = None,
     per_rank: Callable[[Any], list[Any]] | None = None,
+    teacher: Callable[[RolloutBatch], Tensor] | None = None,
 ) -> RolloutBatch:
-    """4. advantages, the loss mask, 5. π_old's and π_ref's log-probs, and the round's metrics, on the trainer's
-    side (the current weights; collectives where ranks must agree).
+    """4. advantages, the loss mask, 5. π_old's and π_ref's log-probs (and with a teacher, its log-probs and the
+    distillation advantage), and the round's metrics, on the trainer's side (the current weights; collectives
+    where ranks must agree). ``teacher``: the teacher's log-probs ``[N, T]`` of a rollout's completion tokens.
 
     ``all_gather`` collects every rank's rewards for ``scale: batch``; ``per_rank`` collects a small value of every
     rank, in rank order (``strategies.gather_per_rank``), to agree on the environment's metric and reward names.
@@ -215,9 +232,22 @@ def finish_round(
     batch.policy_logprobs = None  # in π_old now, where needed
     if not settings.behaviour_weight:
         batch.engine_logprobs = None
+    distill = None
+    if settings.teacher_weight is not None:  # on-policy distillation: the teacher scores the student's tokens
+        if teacher is None:
+            raise RuntimeError("the round has a teacher weight but no teacher log-prob pass")
+        gap = teacher(batch).to(batch.old_logprobs.device) - batch.old_logprobs  # log π_T − log π_S
+        distill = distillation_advantages(gap, batch.loss_mask, settings.teacher_weight)
+        advantages = batch.advantages if batch.advantages is not None else torch.zeros(len(batch), device=gap.device)
+        per_token = advantages if advantages.dim() == 2 else advantages[:, None] * batch.completion_mask
+        batch.advantages = per_token.to(distill.dtype) + distill
     timings["logprobs"] = time.perf_counter() - start
 
     batch.metrics = rollout_metrics(batch, settings.sampling.group_size, timings)
+    if distill is not None:  # the k1 estimate of KL(π_S ‖ π_T) per token, and the advantage it gives
+        tokens = batch.loss_mask.bool()
+        batch.metrics["distill/reverse_kl_k1"] = -(distill[tokens] / settings.teacher_weight).mean().item()
+        batch.metrics["distill/advantage_abs_mean"] = distill[tokens].abs().mean().item()
     if settings.dynamic_sampling:
         group_size = settings.sampling.group_size
         batch.metrics["rollout/sampling_rounds"] = float(sampled.draws)
@@ -264,10 +294,13 @@ def refill_informative(
 def compute_advantages(
     batch: RolloutBatch, settings: RoundSettings, all_gather: Callable[[Tensor], Tensor] | None = None
 ) -> Tensor:
-    """Outcome advantages ``[N]``; per-token ``[N, T]`` when a reward scores steps (outcome part added to each)."""
+    """Outcome advantages ``[N]`` (``data.advantage``: group-relative, pass@k or GDPO); per-token ``[N, T]`` when a
+    reward scores steps (outcome part added to each)."""
     config, group_size = settings.advantage, settings.sampling.group_size
     advantages = None
-    if batch.reward_columns:  # outcome rewards
+    if batch.reward_columns and config.multi_objective_aggregation == "normalize_then_sum":
+        advantages = gdpo_advantages(batch, settings, all_gather)
+    elif batch.reward_columns:  # outcome rewards
         batch_std = None
         if config.scale == "batch" and all_gather is not None:
             rewards = batch.rewards.float()
@@ -275,22 +308,35 @@ def compute_advantages(
                 rewards = torch.where(batch.unscorable, torch.nan, rewards)
             gathered = all_gather(rewards).flatten()
             batch_std = gathered[~gathered.isnan()].std(unbiased=config.std == "sample")
-        advantages = group_advantages(
-            batch.rewards,
-            group_size,
-            scale=config.scale,
-            baseline=config.baseline,
-            eps=config.eps,
-            batch_std=batch_std,
-            std=config.std,
-            scorable=~batch.unscorable if batch.unscorable is not None else None,
-        )
+        scorable = ~batch.unscorable if batch.unscorable is not None else None
+        options = {"scale": config.scale, "eps": config.eps, "batch_std": batch_std, "std": config.std}
+        if config.estimator == "passk":
+            advantages = passk_advantages(batch.rewards, group_size, config.k, scorable=scorable, **options)
+        else:
+            advantages = group_advantages(
+                batch.rewards, group_size, baseline=config.baseline, scorable=scorable, **options
+            )
     if batch.step_rewards is not None:  # process rewards (DeepSeekMath §4.1.3)
         per_token = process_advantages(
             batch.step_rewards, batch.step_ends, batch.completion_mask, group_size, eps=config.eps, std=config.std
         )
         advantages = per_token if advantages is None else per_token + advantages[:, None] * batch.completion_mask
     return advantages
+
+
+def gdpo_advantages(
+    batch: RolloutBatch, settings: RoundSettings, all_gather: Callable[[Tensor], Tensor] | None = None
+) -> Tensor:
+    """``normalize_then_sum`` (GDPO): every reward column normalised within its group, summed with its weight, the
+    sum normalised over the batch of all ranks. A None (not applicable) is NaN, as in TRL: out of that reward's group
+    mean and std; a completion no column applies to is out of the batch's too, with advantage 0."""
+    config, names = settings.advantage, list(batch.reward_columns)
+    values = [[torch.nan if v is None else v for v in batch.reward_columns[name]] for name in names]
+    rewards = torch.tensor(values, dtype=batch.rewards.dtype, device=batch.rewards.device).T  # [N, K]
+    weights = torch.tensor([settings.reward_weights.get(name, 1.0) for name in names], device=rewards.device)
+    summed = decoupled_sum(rewards, weights, settings.sampling.group_size, eps=config.eps, std=config.std)
+    every_rank = all_gather(summed).flatten() if all_gather is not None else None
+    return batch_normalized(summed, eps=config.eps, std=config.std, batch=every_rank)
 
 
 def rollout_metrics(batch: RolloutBatch, group_size: int, timings: dict[str, float]) -> dict[str, float]:

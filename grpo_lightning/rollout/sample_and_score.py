@@ -95,7 +95,11 @@ def sample_and_score(
     columns["completion_ids"] = [row[keep].tolist() for row, keep in zip(ids, mask)]
     if trajectories is not None:
         columns["transcripts"] = trajectories.transcripts  # every turn, for rewards that judge the tool use
-    scores = scorer(prompts, texts, columns, warn_unscorable=trajectories is None)
+        columns["environments"] = trajectories.environments  # each trajectory's environment, as TRL passes them
+    # An environment may have changed a trajectory's prompt (TRL's: reset's text in its last message): the rewards
+    # see each trajectory's own, as TRL's do.
+    scored = trajectories.prompts if trajectories is not None else prompts
+    scores = scorer(scored, texts, columns, warn_unscorable=trajectories is None)
     if trajectories is not None:  # the environment's reward parts join the total, one column each
         for name, values in trajectories.env_rewards.items():
             scores.per_function[f"env_{name}"] = list(values)

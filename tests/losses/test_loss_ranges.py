@@ -45,6 +45,14 @@ RANGES = {
     "gmpo": {"epsilon_low": ("[0, inf)", -0.1, 0.0), "epsilon_high": ("[0, inf)", -0.1, 0.0)},
     "sapo": {"tau_pos": ("(0, inf)", 0.0, 0.01), "tau_neg": ("(0, inf)", -1.05, 0.01)},
     "vespo": {"k_pos": VESPO_POWER, "k_neg": VESPO_POWER, "lambda_pos": VESPO_DECAY, "lambda_neg": VESPO_DECAY},
+    "clip_cov": {
+        "epsilon_low": CLIPPED["epsilon_low"],
+        "epsilon_high": CLIPPED["epsilon_high"],
+        "clip_cov_ratio": ("(0, 1]", 0.0, 1.0),
+        "clip_cov_lb": ("[0, inf)", -1.0, 0.0),  # positive covariances: the tokens that lower the entropy
+        "clip_cov_ub": ("(0, inf]", 0.0, 0.01),
+    },
+    "kl_cov": {"kl_cov_ratio": ("(0, 1]", 1.5, 1.0), "ppo_kl_coef": ("(0, inf)", 0.0, 0.01)},
 }
 GENERIC = ("epsilon_low", "epsilon_high", "delta", "clip_ratio_c")
 

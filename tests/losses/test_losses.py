@@ -198,6 +198,8 @@ def rollout(seed=0):
 
 def combinations():
     for name in available_policy_losses():
+        if get_policy_loss(name).micro_batch_statistics:  # by definition not (test_covariance_losses.py)
+            continue
         for aggregation in get_policy_loss(name).aggregations:
             yield name, aggregation
 
@@ -270,7 +272,7 @@ def test_a_users_loss_by_import_path_is_called_with_its_settings(user_losses):
 @pytest.mark.parametrize(
     "settings, message",
     [
-        ({"loss_type": "bogus"}, "unknown loss_type 'bogus': use one of bnpo, cispo, dapo"),
+        ({"loss_type": "bogus"}, "unknown loss_type 'bogus': use one of bnpo, cispo, clip_cov, dapo"),
         ({"loss_type": "my_losses:missing"}, "loss_type 'my_losses:missing' cannot be imported"),
         ({"loss_type": "nowhere.at_all:fn"}, "cannot be imported: No module named 'nowhere'"),
         ({"loss_type": "my_losses:not_a_function"}, "is not callable"),

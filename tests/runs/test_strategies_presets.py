@@ -59,7 +59,10 @@ class SaveFinalWeights(Callback):
 
 def fit_command(preset: str, out: Path, *overrides: str) -> list[str]:
     """The quickstart with ``preset``, ``STEPS`` optimizer steps of a smaller round, and ``SaveFinalWeights``."""
-    callback = {"class_path": f"tests.{Path(__file__).parent.name}.{Path(__file__).stem}.SaveFinalWeights", "init_args": {"out": str(out)}}
+    callback = {
+        "class_path": f"tests.{Path(__file__).parent.name}.{Path(__file__).stem}.SaveFinalWeights",
+        "init_args": {"out": str(out)},
+    }
     return [
         *(sys.executable, "-m", "grpo_lightning", "fit", "--config", str(QUICKSTART)),
         *("--config", str(ROOT / "configs" / "strategies" / f"{preset}.yaml")),

@@ -1,0 +1,140 @@
+"""The teacher of on-policy distillation (``model.teacher``): a frozen model that scores every token the student
+samples.
+
+On-policy distillation (Agarwal et al. 2024, GKD; Thinking Machines 2025; the last stage of DeepSeek-R1's
+pipeline): the student samples, the teacher gives the log-prob of each sampled token, and the per-token signal is
+minus the reverse KL's estimate on the student's own sample,
+
+    A_t = λ · (log π_T(y_t | y_<t) − log π_S(y_t | y_<t)),      y ~ π_S,
+
+whose expectation over the student's token is −KL(π_S ‖ π_T) at that position. It is a dense advantage: added to
+each token's group-relative advantage (or alone), it goes through the configured policy loss, its clipping and its
+off-policy corrections, so it works with every engine and at a lag. π_S is the student as the round's log-prob
+passes see it (π_old at lag 0, π_prox at a lag), at the sampling temperature, as the teacher is.
+
+TRL's ``DistillationTrainer`` (beta = 1, on-policy) differentiates the full-vocabulary reverse KL of each position
+instead; ``reverse_kl_per_token`` computes that quantity, equal to TRL's per-token divergence on the same logits
+(``tests/losses/test_distillation.py``); a round logs the mean of its sampled estimate, ``distill/reverse_kl_k1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from grpo_lightning.config import ConfigError
+from grpo_lightning.config_checks import config_context_length
+from grpo_lightning.models.build import disable_dropout, load_tokenizer
+from grpo_lightning.models.logprobs import completion_logprobs
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TeacherConfig:
+    """``model.teacher``: the model that teaches, and how much its signal weighs."""
+
+    model_name_or_path: str
+    """A local folder or a Hub name (its tokenizer must be the student's: same vocabulary, same ids)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Its weights' dtype; ``auto``: the student's."""
+    device: str | None = None
+    """Where it runs (``cuda:1``, ``cpu``); None: the student's device."""
+    weight: float = 1.0
+    """λ: the distillation advantage's weight; the rewards' group-relative advantage is added as it is (with
+    ``data.rewards: []`` the teacher alone teaches)."""
+
+    def __post_init__(self) -> None:
+        if not self.model_name_or_path:
+            raise ConfigError("model.teacher.model_name_or_path is empty: name the teacher's folder or Hub id")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ConfigError(f"model.teacher.dtype must be auto, float32, bfloat16 or float16 (got {self.dtype!r})")
+        if not self.weight > 0:
+            raise ConfigError(f"model.teacher.weight must be > 0 (got {self.weight})")
+
+
+class Teacher:
+    """The module's teacher: built with the policy (``build``), its log-prob pass run where π_ref's runs.
+
+    Not an ``nn.Module`` attribute of the LightningModule on purpose: it stays on its own device and dtype (Lightning
+    moves and casts the module's children), out of checkpoints (it is re-loaded from its folder) and out of the
+    optimizer.
+    """
+
+    def __init__(self, config: TeacherConfig) -> None:
+        self.config = config
+        self.model: PreTrainedModel | None = None
+
+    def build(self, student: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
+        if self.model is None:
+            self.model = load_teacher(self.config, student, tokenizer)
+
+    def context_length(self) -> int | None:
+        """The longest sequence the teacher reads (its config's, read without its weights: the data is checked
+        before any model loads), None when unknown."""
+        config = (
+            self.model.config if self.model is not None else AutoConfig.from_pretrained(self.config.model_name_or_path)
+        )
+        return config_context_length(config)
+
+    @torch.no_grad()
+    def logprobs(
+        self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor, **kwargs: Any
+    ) -> Tensor:
+        """The teacher's log-probs ``[N, T]`` of the completion tokens (``completion_logprobs``' ``kwargs``: the
+        temperature, micro-batches, chunks, packing), on the inputs' device."""
+        device = next(self.model.parameters()).device
+        tensors = (t.to(device) for t in (prompt_ids, prompt_mask, completion_ids, completion_mask))
+        return completion_logprobs(self.model, *tensors, **kwargs)[0].to(prompt_ids.device)
+
+
+def load_teacher(
+    config: TeacherConfig, student: torch.nn.Module, student_tokenizer: PreTrainedTokenizerBase
+) -> PreTrainedModel:
+    """The frozen teacher, in eval mode without dropout, on its device and dtype; refused in one line when its
+    vocabulary is not the student's (its log-prob of a token id would be another token's)."""
+    teacher_tokenizer = load_tokenizer(config.model_name_or_path)
+    check_same_vocabulary(student_tokenizer, teacher_tokenizer, config.model_name_or_path)
+    student_param = next(student.parameters())
+    dtype = student_param.dtype if config.dtype == "auto" else _DTYPES[config.dtype]
+    teacher = AutoModelForCausalLM.from_pretrained(config.model_name_or_path, dtype=dtype)
+    student_rows = student.get_output_embeddings().weight.shape[0]
+    teacher_rows = teacher.get_output_embeddings().weight.shape[0]
+    if student_rows != teacher_rows:
+        raise ConfigError(
+            f"model.teacher {config.model_name_or_path!r} scores {teacher_rows} tokens, the student {student_rows}: "
+            "on-policy distillation needs the student's vocabulary (a teacher of the same family)"
+        )
+    disable_dropout(teacher)
+    device = torch.device(config.device) if config.device else student_param.device
+    return teacher.to(device).eval().requires_grad_(False)
+
+
+def check_same_vocabulary(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase, name: str) -> None:
+    """Refuse a teacher whose tokenizer maps some token to another id than the student's."""
+    mine, theirs = student.get_vocab(), teacher.get_vocab()
+    if mine != theirs:
+        differ = sorted(set(mine.items()) ^ set(theirs.items()), key=lambda item: item[1])[:3]
+        shown = ", ".join(f"{token!r}→{index}" for token, index in differ)
+        raise ConfigError(
+            f"model.teacher {name!r} has another vocabulary than the student ({len(theirs)} vs {len(mine)} tokens; "
+            f"differing: {shown}): on-policy distillation needs a teacher with the student's tokenizer"
+        )
+
+
+def distillation_advantages(gap: Tensor, mask: Tensor, weight: float) -> Tensor:
+    """``[N, T]`` per-token advantages λ · (log π_T − log π_S) of the sampled tokens (``gap``), 0 outside ``mask``."""
+    return weight * gap * mask
+
+
+def reverse_kl_per_token(student_logits: Tensor, teacher_logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """``[..., ]`` KL(π_S ‖ π_T) = Σ_v π_S(v) (log π_S(v) − log π_T(v)) at each position, both at ``temperature``:
+    the per-token divergence TRL's ``DistillationTrainer`` minimises at beta = 1."""
+    dtype = torch.promote_types(student_logits.dtype, torch.float32)  # at least float32
+    student = torch.log_softmax(student_logits.to(dtype) / temperature, dim=-1)
+    teacher = torch.log_softmax(teacher_logits.to(dtype) / temperature, dim=-1)
+    return (student.exp() * (student - teacher)).sum(-1)
