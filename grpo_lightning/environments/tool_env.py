@@ -20,6 +20,7 @@ belongs in ``python``, not in a user function.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from grpo_lightning.config import ConfigError
@@ -108,14 +109,7 @@ class ToolEnvironment(Environment):
         call = self.format.last_call(turn)
         if call is None:
             return Step(done=True)  # no tool call: the final answer
-        start = time.perf_counter()
-        text, failed = self.run(call.name, call.argument) if call.error is None else (call.error, True)
-        seconds = time.perf_counter() - start
-        if failed:
-            text = f"error: {text}"
-        metrics = {"tool_calls": 1.0, "tool_errors": float(failed), "tool_seconds": seconds}
-        observation = self.fit_observation(text, self.format.result, max_chars=self.max_result_chars)
-        return Step(observation=observation, metrics=metrics)
+        return tool_step(self, lambda: self.run(call.name, call.argument) if call.error is None else (call.error, True))
 
     def run(self, name: str | None, argument: str) -> tuple[str, bool]:
         """``(result text, failed)`` of one call. Raises only for a broken tool (``ToolBroken``: its own failure,
@@ -136,3 +130,18 @@ class ToolEnvironment(Environment):
         if not isinstance(value, str):
             return f"the tool returned {type(value).__name__}, not text", True
         return value, False
+
+
+def tool_step(environment: Any, call: Callable[[], tuple[str, bool]]) -> Step:
+    """One tool call's answer: ``call()``'s ``(result, failed)``, a failure as ``error: <why>``, cut to fit its frame
+    (``environment.format.result``, ``environment.max_result_chars``: ``ToolEnvironment``'s and ``TRLEnvironment``'s),
+    and the call's counts and seconds."""
+    start = time.perf_counter()
+    text, failed = call()
+    seconds = time.perf_counter() - start
+    if failed:
+        text = f"error: {text}"
+    metrics = {"tool_calls": 1.0, "tool_errors": float(failed), "tool_seconds": seconds}
+    result_frame = environment.format.result
+    observation = environment.fit_observation(text, result_frame, max_chars=environment.max_result_chars)
+    return Step(observation=observation, metrics=metrics)

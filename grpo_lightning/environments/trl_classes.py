@@ -39,7 +39,6 @@ import asyncio
 import importlib
 import inspect
 import json
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +46,7 @@ from grpo_lightning.config import ConfigError
 from grpo_lightning.environments.base import Environment, Step
 from grpo_lightning.environments.chat_formats import FAMILIES, SETTING, detect_chat_format
 from grpo_lightning.environments.formats import TagFormat, ToolCall, ToolFormat
-from grpo_lightning.environments.tool_env import check_result_frame
+from grpo_lightning.environments.tool_env import check_result_frame, tool_step
 from grpo_lightning.environments.tools import ToolBroken
 from grpo_lightning.rewards.time_limits import TimeLimitExceeded, time_limit
 
@@ -287,14 +286,7 @@ class TRLEnvironment(Environment):
         call = self.format.last_call(turn)
         if call is None:
             return Step(done=True)  # no tool call: the final answer
-        start = time.perf_counter()
-        text, failed = self.run(call) if call.error is None else (call.error, True)
-        seconds = time.perf_counter() - start
-        if failed:
-            text = f"error: {text}"
-        metrics = {"tool_calls": 1.0, "tool_errors": float(failed), "tool_seconds": seconds}
-        observation = self.fit_observation(text, self.format.result, max_chars=self.max_result_chars)
-        return Step(observation=observation, metrics=metrics)
+        return tool_step(self, lambda: self.run(call) if call.error is None else (call.error, True))
 
     def run(self, call: ToolCall) -> tuple[str, bool]:
         """``(result text, failed)`` of one call on this trajectory's instance: the method called with the call's
