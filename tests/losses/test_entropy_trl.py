@@ -32,7 +32,8 @@ from grpo_lightning.losses.entropy import EntropyControl, all_ranks_pool, entrop
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer", reason="trl (a dev dependency) is not installed")
 GRPOTrainer = trl_grpo.GRPOTrainer
 TRL_CONFIG = {f.name: f.default for f in dataclasses.fields(trl_grpo.GRPOConfig)}
-B, T = 6, 7
+from test_loss_trl import B, T, trl_loss_inputs  # noqa: E402 (after TRL's importorskip)
+
 LENGTHS = [T, 3, 1, 0, 5, T]  # uneven, one row empty
 TOL = dict(atol=1e-6, rtol=0)
 
@@ -97,16 +98,7 @@ class TRL:
         entropies = entropy.detach().clone().requires_grad_(True)
         self.trainer._get_per_token_logps_and_entropies = lambda *a, **k: (current, entropies, None)
         self.trainer.accelerator.sync_gradients = sync
-        inputs = {
-            "prompt_ids": torch.zeros(B, 1, dtype=torch.long),
-            "prompt_mask": torch.ones(B, 1, dtype=torch.long),
-            "completion_ids": torch.zeros(B, T, dtype=torch.long),
-            "completion_mask": mask.long(),
-            "advantages": advantages,
-            "old_per_token_logps": old,
-            "ref_per_token_logps": ref,
-            "num_items_in_batch": mask.sum().to(torch.float64),
-        }
+        inputs = trl_loss_inputs(mask, advantages, old, ref)
         loss = GRPOTrainer._compute_loss(self.trainer, None, inputs)
         loss.backward()
         return loss.detach(), current.grad, entropies.grad

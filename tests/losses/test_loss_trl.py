@@ -50,6 +50,22 @@ from grpo_lightning.losses import grpo_loss
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer", reason="trl (a dev dependency) is not installed")
 
 B, T = 6, 7
+
+
+def trl_loss_inputs(mask, advantages, old, ref):
+    """What TRL's ``_compute_loss`` reads of a batch of ``B`` completions of ``T`` tokens (the prompts unused)."""
+    return {
+        "prompt_ids": torch.zeros(B, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(B, 1, dtype=torch.long),
+        "completion_ids": torch.zeros(B, T, dtype=torch.long),
+        "completion_mask": mask.long(),
+        "advantages": advantages,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+        "num_items_in_batch": mask.sum().to(torch.float64),
+    }
+
+
 LENGTHS = [T, 3, 1, 0, 5, T]  # uneven, one row empty
 TOL = dict(atol=1e-6, rtol=0)
 
@@ -118,16 +134,7 @@ def trl_loss(
         get_gamma_weights=trl_grpo.GRPOTrainer.get_gamma_weights,
         _get_per_token_logps_and_entropies=lambda *args, **kwargs: (current, torch.zeros_like(current), None),
     )
-    inputs = {
-        "prompt_ids": torch.zeros(B, 1, dtype=torch.long),
-        "prompt_mask": torch.ones(B, 1, dtype=torch.long),
-        "completion_ids": torch.zeros(B, T, dtype=torch.long),
-        "completion_mask": mask.long(),
-        "advantages": advantages,
-        "old_per_token_logps": old,
-        "ref_per_token_logps": ref,
-        "num_items_in_batch": mask.sum().to(torch.float64),
-    }
+    inputs = trl_loss_inputs(mask, advantages, old, ref)
     if sampling_per_token_logps is not None:
         inputs["sampling_per_token_logps"] = sampling_per_token_logps
     if importance_sampling_ratio is not None:
