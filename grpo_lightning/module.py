@@ -29,7 +29,7 @@ from grpo_lightning.metrics import merge_rank_metrics
 from grpo_lightning.models.build import load_tokenizer
 from grpo_lightning.models.logprobs import DEFAULT_LOGPROB_CHUNK, completion_logprobs
 from grpo_lightning.models.policy_and_reference import attached_trainer, build_policy, context_length, sampling_context
-from grpo_lightning.models.teacher import Teacher, TeacherConfig
+from grpo_lightning.models.teacher import TeacherConfig, make_teacher
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.optimizer import adamw_with_warmup
 from grpo_lightning.rollout.batch import RolloutBatch
@@ -117,7 +117,7 @@ class GRPOModule(LightningModule):
         if max_nonfinite_skips < 1:
             raise ConfigError(f"model.max_nonfinite_skips must be >= 1 (got {max_nonfinite_skips})")
         self.nonfinite = NonFiniteGuard(max_nonfinite_skips)
-        self.teacher = Teacher(teacher) if teacher is not None else None
+        self.teacher = make_teacher(teacher) if teacher is not None else None
         self.tokenizer = load_tokenizer(model_name_or_path)
         self.policy: PreTrainedModel | None = None
         self.ref: PreTrainedModel | None = None
@@ -163,6 +163,11 @@ class GRPOModule(LightningModule):
 
     def teacher_context_length(self) -> int | None:
         return self.teacher.context_length() if self.teacher is not None else None
+
+    def check_teacher(self, temperature: float) -> None:
+        """Refuse, before training, a sampling temperature the teacher cannot score at (a served one: 1 only)."""
+        if self.teacher is not None:
+            self.teacher.check_temperature(temperature)
 
     @property
     def has_reference(self) -> bool:

@@ -30,16 +30,27 @@ from grpo_lightning.config import ConfigError
 from grpo_lightning.config_checks import config_context_length
 from grpo_lightning.models.build import disable_dropout, load_tokenizer
 from grpo_lightning.models.logprobs import completion_logprobs
+from grpo_lightning.models.served_teacher import ServedTeacher
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class TeacherConfig:
-    """``model.teacher``: the model that teaches, and how much its signal weighs."""
+    """``model.teacher``: the model that teaches (a local one, or one served by vLLM), and how much its signal
+    weighs."""
 
-    model_name_or_path: str
+    model_name_or_path: str | None = None
     """A local folder or a Hub name (its tokenizer must be the student's: same vocabulary, same ids)."""
+    url: str | None = None
+    """Instead of ``model_name_or_path``: a ``vllm serve`` of the teacher (``http://host:port``), for teachers too
+    large to hold beside the student (``served_teacher.py``: temperature 1 only)."""
+    served_model_name: str | None = None
+    """With ``url``: the model's name on the server; None: the one it serves."""
+    timeout_s: float = 600.0
+    """With ``url``: the longest wait for one answer before a retry."""
+    retries: int = 3
+    """With ``url``: retries of a request that failed (down, 5xx, too slow) before the run stops in one line."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Its weights' dtype; ``auto``: the student's."""
     device: str | None = None
@@ -49,12 +60,31 @@ class TeacherConfig:
     ``data.rewards: []`` the teacher alone teaches)."""
 
     def __post_init__(self) -> None:
-        if not self.model_name_or_path:
-            raise ConfigError("model.teacher.model_name_or_path is empty: name the teacher's folder or Hub id")
+        if bool(self.model_name_or_path) == bool(self.url):
+            raise ConfigError(
+                "model.teacher needs exactly one of model_name_or_path (a local folder or Hub name) and url (a vLLM "
+                f"server of the teacher) (got model_name_or_path={self.model_name_or_path!r}, url={self.url!r})"
+            )
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ConfigError(f"model.teacher.dtype must be auto, float32, bfloat16 or float16 (got {self.dtype!r})")
         if not self.weight > 0:
             raise ConfigError(f"model.teacher.weight must be > 0 (got {self.weight})")
+        if not self.timeout_s > 0 or self.retries < 0:
+            raise ConfigError(
+                f"model.teacher.timeout_s must be > 0 and retries >= 0 (got {self.timeout_s}, {self.retries})"
+            )
+
+    @property
+    def name(self) -> str:
+        """What the teacher is called in messages: its folder, Hub name or URL."""
+        return self.model_name_or_path or self.url or ""
+
+
+def make_teacher(config: TeacherConfig) -> Teacher | ServedTeacher:
+    """The teacher of ``config``: loaded here (``Teacher``), or reached on its server (``ServedTeacher``)."""
+    if config.url:
+        return ServedTeacher(config)
+    return Teacher(config)
 
 
 class Teacher:
@@ -81,6 +111,9 @@ class Teacher:
         )
         return config_context_length(config)
 
+    def check_temperature(self, temperature: float) -> None:
+        """Any sampling temperature: the pass applies it to the teacher's logits as to the student's."""
+
     @torch.no_grad()
     def logprobs(
         self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor, **kwargs: Any
@@ -102,12 +135,13 @@ def load_teacher(
     student_param = next(student.parameters())
     dtype = student_param.dtype if config.dtype == "auto" else _DTYPES[config.dtype]
     teacher = AutoModelForCausalLM.from_pretrained(config.model_name_or_path, dtype=dtype)
-    student_rows = student.get_output_embeddings().weight.shape[0]
+    # Output layers padded to different sizes (Qwen2.5-7B's 152064 rows, 0.5B's 151936, one tokenizer) are fine:
+    # only the log-prob of a sampled token, an id of the shared tokenizer, is read.
     teacher_rows = teacher.get_output_embeddings().weight.shape[0]
-    if student_rows != teacher_rows:
+    if teacher_rows < len(student_tokenizer):
         raise ConfigError(
-            f"model.teacher {config.model_name_or_path!r} scores {teacher_rows} tokens, the student {student_rows}: "
-            "on-policy distillation needs the student's vocabulary (a teacher of the same family)"
+            f"model.teacher {config.model_name_or_path!r} scores {teacher_rows} tokens, fewer than the student's "
+            f"tokenizer has ({len(student_tokenizer)}): on-policy distillation needs the student's vocabulary"
         )
     disable_dropout(teacher)
     device = torch.device(config.device) if config.device else student_param.device

@@ -262,6 +262,7 @@ class RolloutDataModule(PromptData, LightningDataModule):
                 mini=collector.mini_batch_size,
                 micro=collector.micro_batch_size,
             )
+            self.policy_side.check_teacher(self.sampling.temperature)
             if self.train_data is None:
                 self.train_data = self._checked(self.sources.training_rows(), self.sources.train_where)
         held_out = self.sources.held_out(self.val_limit) if self.val_data is None else None

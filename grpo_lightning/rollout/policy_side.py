@@ -54,6 +54,10 @@ class PolicySide(Protocol):
         """The longest sequence (prompt + completion) the policy supports; None when unknown."""
         ...
 
+    def check_teacher(self, temperature: float) -> None:
+        """Refuse (``ConfigError``) a sampling temperature the teacher cannot score at; nothing without one."""
+        ...
+
 
 class EngineHandle:
     """The engine of ``data.engine`` for evaluation alone (``SFTDataModule``; a GRPO run's belongs to its
