@@ -55,13 +55,14 @@ class Scorer:
     ) -> None:
         """
         Args:
-            specs: the reward terms; default ``exact_answer``.
+            specs: the reward terms; None: ``exact_answer``; empty: none (a teacher or an environment's rewards
+                teach alone: ``check_something_teaches``).
             accuracy_reward: the outcome reward whose value >= 1 counts as correct (default: the first).
             on_error: ``raise`` stops the run when a reward function fails; ``zero`` scores 0 instead.
             timeout_s: time limit per reward-function call on a batch.
             setting: the config key ``specs`` came from, for error messages.
         """
-        self.specs = list(specs) if specs else [RewardSpec("exact_answer")]
+        self.specs = list(specs) if specs is not None else [RewardSpec("exact_answer")]
         names = [spec.name for spec in self.specs]
         if len(set(names)) != len(names):
             raise ConfigError(f"{setting} lists a reward twice: {names}")

@@ -140,3 +140,19 @@ def test_a_run_with_a_teacher_gives_each_token_its_log_prob_gap_as_advantage(tmp
         -(teacher - rollout.old_logprobs)[rollout.loss_mask.bool()].mean().item(), abs=1e-5
     )
     assert not any(name.startswith("teacher") for name in module.state_dict())  # never in checkpoints
+
+
+def test_no_rewards_with_a_teacher_is_the_teacher_alone_and_without_one_is_refused(tmp_path, teacher_dir):
+    def data() -> RolloutDataModule:
+        return RolloutDataModule(
+            rewards=[], sampling=SamplingConfig(group_size=2, max_new_tokens=4), prompts_per_round=2, val_split=None
+        )
+
+    with pytest.raises(ConfigError, match=r"^data.rewards is empty and neither model.teacher") as err:
+        quiet_trainer(tmp_path / "alone", max_epochs=1).fit(GRPOModule(tiny_model=TINY), datamodule=data())
+    assert "\n" not in str(err.value)
+    module, taught = GRPOModule(tiny_model=TINY, teacher=TeacherConfig(teacher_dir)), data()
+    quiet_trainer(tmp_path / "taught", max_epochs=1).fit(module, datamodule=taught)
+    rollout = taught.last_rollout
+    assert taught.scorer.names == [] and not any(name.startswith("reward/") for name in rollout.metrics)
+    assert rollout.advantages[rollout.loss_mask.bool()].abs().min() > 0  # the teacher's signal alone
