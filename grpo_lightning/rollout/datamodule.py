@@ -263,6 +263,11 @@ class RolloutDataModule(PromptData, LightningDataModule):
                 micro=collector.micro_batch_size,
             )
             self.policy_side.check_teacher(self.sampling.temperature)
+            if not self.scorer.specs and self.environment is None and self.policy_side.distillation_weight is None:
+                raise ConfigError(
+                    "data.rewards is empty and neither model.teacher nor data.environment gives a learning signal: "
+                    "name a reward (e.g. [{name: exact_answer}]) or set model.teacher"
+                )
             if self.train_data is None:
                 self.train_data = self._checked(self.sources.training_rows(), self.sources.train_where)
         held_out = self.sources.held_out(self.val_limit) if self.val_data is None else None
