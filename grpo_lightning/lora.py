@@ -38,8 +38,9 @@ class LoraConfig:
             raise ConfigError(f"model.lora.dropout must be in [0, 1) (got {self.dropout})")
 
 
-def apply_lora(model: nn.Module, config: LoraConfig) -> nn.Module:
-    """``model`` wrapped by PEFT with LoRA adapters; only the adapters (and ``modules_to_save``) require grad."""
+def apply_lora(model: nn.Module, config: LoraConfig, exclude: str | None = None) -> nn.Module:
+    """``model`` wrapped by PEFT with LoRA adapters; only the adapters (and ``modules_to_save``) require grad.
+    ``exclude``: a regular expression of module names that get none (a frozen vision tower's)."""
     try:
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
@@ -63,6 +64,7 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> nn.Module:
         modules_to_save=list(config.modules_to_save) or None,
         task_type="CAUSAL_LM",
         **tying,
+        **({"exclude_modules": exclude} if exclude else {}),
     )
     return get_peft_model(model, peft_config)
 

@@ -77,6 +77,7 @@ class GRPOModule(LightningModule):
         log_entropy: bool = True,
         max_nonfinite_skips: int = 3,
         teacher: TeacherConfig | None = None,
+        freeze_vision_tower: bool = True,
     ) -> None:
         """
         Args:
@@ -105,6 +106,7 @@ class GRPOModule(LightningModule):
                 unchanged, culprit logged); this many skips in a row stop the run.
             teacher: on-policy distillation (``models/teacher.py``): a frozen model whose log-prob of each token the
                 student samples, minus the student's, is that token's advantage (weighted by ``teacher.weight``).
+            freeze_vision_tower: a vision-language model's vision encoder does not train (``vision/models.py``).
         """
         super().__init__()
         self.save_hyperparameters()
@@ -145,6 +147,7 @@ class GRPOModule(LightningModule):
             no_dropout=self.hparams.disable_dropout,
             gradient_checkpointing=self.hparams.gradient_checkpointing,
             lora=self.lora,
+            freeze_vision_tower=self.hparams.freeze_vision_tower,
         )
         if self.teacher is not None:  # not a child module: its own device, never in checkpoints
             self.teacher.build(self.policy, self.tokenizer)
@@ -154,20 +157,27 @@ class GRPOModule(LightningModule):
         """λ of on-policy distillation; None without a teacher."""
         return self.teacher.config.weight if self.teacher is not None else None
 
+    def teacher_temperature(self, sampling_temperature: float) -> float:
+        """τ_T, the temperature of the teacher's pass: ``model.teacher.temperature``, else the sampling one."""
+        chosen = self.teacher.config.temperature if self.teacher is not None else None
+        return sampling_temperature if chosen is None else chosen
+
     def teacher_logprobs(self, batch: RolloutBatch) -> Tensor:
-        """The teacher's log-probs of the rollout's completion tokens, at its sampling temperature."""
+        """The teacher's log-probs of the rollout's completion tokens, at τ_T (``teacher_temperature``)."""
         args = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
         chunk, rows = self.hparams.logprob_chunk_size, self.hparams.logprob_batch_size
-        options = {"temperature": batch.temperature, "micro_batch_size": rows, "chunk_size": chunk}
+        temperature = self.teacher_temperature(batch.temperature)
+        options = {"temperature": temperature, "micro_batch_size": rows, "chunk_size": chunk}
         return self.teacher.logprobs(*args, **options, lean=self.hparams.lean_forward, pack_tokens=batch.pack_tokens)
 
     def teacher_context_length(self) -> int | None:
         return self.teacher.context_length() if self.teacher is not None else None
 
     def check_teacher(self, temperature: float) -> None:
-        """Refuse, before training, a sampling temperature the teacher cannot score at (a served one: 1 only)."""
+        """Refuse, before training, a teacher temperature (τ_T, from the sampling ``temperature``) the teacher cannot
+        score at (a served one: 1 only)."""
         if self.teacher is not None:
-            self.teacher.check_temperature(temperature)
+            self.teacher.check_temperature(self.teacher_temperature(temperature))
 
     @property
     def has_reference(self) -> bool:
@@ -216,6 +226,7 @@ class GRPOModule(LightningModule):
             "chunk_size": self.hparams.logprob_chunk_size,
             "lean": self.hparams.lean_forward,
             "pack_tokens": batch.pack_tokens,
+            "vision": batch.vision or None,  # a vision-language model's per-row image inputs
         }
         old_logprobs = ref_logprobs = None
         if old:
@@ -263,6 +274,7 @@ class GRPOModule(LightningModule):
             positions=batch["layout"].positions,
             groups=batch["layout"].groups,
             pack_tokens=batch.get("pack_tokens"),
+            vision=batch.get("vision"),
         )
         loss, metrics = grpo_loss(
             logprobs,

@@ -5,6 +5,8 @@
 #   2. reasoning RL: GRPO with the rule-based exact-answer reward
 #   3. rejection sampling from the stage-2 policy (right answers only) and SFT of the stage-1 model on them
 #   4. second RL stage: GRPO with exact_answer + a tiny trained reward model (weights in the YAML), curriculum on
+#   5. distillation into a smaller student: a tiny Llama a quarter of the size, cold-started by stage 1's SFT on the
+#      same answers, then taught by stage 4's model token by token (on-policy distillation, model.teacher)
 #
 # Each stage starts from the previous stage's Hugging Face folder (grpo_lightning.callbacks.SaveHFModel), validates on
 # the 500 held-out prompts at its end, and the held-out greedy accuracy is printed after it. Everything is written
@@ -31,7 +33,7 @@ export WANDB_MODE=${WANDB_MODE:-offline} TOKENIZERS_PARALLELISM=false
 rm -rf "$RUN"
 mkdir -p "$RUN/1_cold_start_sft" "$RUN/3_rejection_sft"
 TABLE="$RUN/table.md"
-printf '| stage | held-out accuracy (500 prompts, greedy) | wall time |\n|---|---|---|\n' >"$TABLE"
+printf '| stage | held-out accuracy (500 prompts, greedy) | parameters | wall time |\n|---|---|---|---|\n' >"$TABLE"
 PIPELINE_START=$SECONDS
 
 # The last val/accuracy a stage's CSV log holds (validation runs at the end of each stage's fit).
@@ -43,12 +45,24 @@ print(f"{100 * float(rows[-1]['val/accuracy']):.1f}%")
 EOF
 }
 
+# The parameters of the model a stage hands on (its Hugging Face folder's weights; tied embeddings counted once).
+parameters() {
+    "$PYTHON" - "$1/model.safetensors" <<'EOF'
+import sys
+from safetensors import safe_open
+with safe_open(sys.argv[1], "pt") as weights:
+    count = sum(weights.get_tensor(name).numel() for name in weights.keys())
+print(f"{count / 1000:.0f} K")
+EOF
+}
+
 # report <stage label> <stage folder> <start second>
 report() {
-    local seconds=$((SECONDS - $3)) acc
+    local seconds=$((SECONDS - $3)) acc params
     acc=$(accuracy "$2")
-    printf '| %s | %s | %d s |\n' "$1" "$acc" "$seconds" >>"$TABLE"
-    printf '\n==> %s: held-out accuracy %s (%d s)\n\n' "$1" "$acc" "$seconds"
+    params=$(parameters "$2/hf")
+    printf '| %s | %s | %s | %d s |\n' "$1" "$acc" "$params" "$seconds" >>"$TABLE"
+    printf '\n==> %s: held-out accuracy %s, %s parameters (%d s)\n\n' "$1" "$acc" "$params" "$seconds"
 }
 
 # ---- stage 1: cold-start SFT on the sloppy teacher's answers (training prompts only)
@@ -90,6 +104,14 @@ start=$SECONDS
 "$PYTHON" tools/train_reward_model.py --init "$RUN/1_cold_start_sft/hf" --out "$RUN/reward_model" --steps "$RM_STEPS"
 "$PYTHON" -m grpo_lightning fit --config configs/pipeline/4_mixed_rl.yaml
 report "4. GRPO, exact answer + reward model" "$RUN/4_mixed_rl" "$start"
+
+# ---- stage 5: a smaller student (stage 1's SFT from random weights, same answers), then distilled from stage 4
+start=$SECONDS
+"$PYTHON" -m grpo_lightning sft fit --config configs/pipeline/5_student_cold_start.yaml
+report "5a. smaller student's cold start (SFT, random weights)" "$RUN/5_student_cold_start" "$start"
+start=$SECONDS
+"$PYTHON" -m grpo_lightning fit --config configs/pipeline/5_distill.yaml
+report "5b. on-policy distillation from stage 4" "$RUN/5_distill" "$start"
 
 printf 'pipeline finished in %d s\n\n' $((SECONDS - PIPELINE_START))
 cat "$TABLE"

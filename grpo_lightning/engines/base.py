@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from grpo_lightning.engines.continuation import GenerationSession, weights_stamp
+
 
 @dataclass
 class Completions:
@@ -108,6 +110,9 @@ class RolloutEngine(ABC):
     trainer, not the background process, pushes the weights, and the background process holds no model copy."""
     policy: nn.Module | None = None
     """The policy it samples from (or whose architecture it copies), once ``setup``."""
+    supports_continuation: bool = False
+    """``generate`` takes ``session=`` (from ``open_session``): each row then continues from the keys and values
+    kept at the session's previous call, prefilling only its new tokens (``engines/continuation.py``)."""
 
     def __init__(self) -> None:
         self.weights_version: int | None = None  # the optimizer step of the weights held (engines with a copy)
@@ -139,7 +144,18 @@ class RolloutEngine(ABC):
 
         ``generator`` is the caller's random stream: the same state gives the same completions, so a resumed run
         samples what an uninterrupted one would have. ``return_logprobs`` asks for the sampled tokens' log-probs.
+        An engine with ``supports_continuation`` also takes ``session=`` (``open_session``): the same samples, each
+        row continuing from the keys and values kept at the session's previous call.
         """
+
+    def open_session(self) -> GenerationSession:
+        """A session for consecutive ``generate(..., session=...)`` calls that continue from the kept KV cache (the
+        turns of one rollout; engines with ``supports_continuation``). Close it when the rollout ends: it holds
+        every continuing row's keys and values until then, and never serves weights other than those that filled
+        it."""
+        if not self.supports_continuation:
+            raise NotImplementedError(f"the {self.name} engine does not continue from a kept cache")
+        return GenerationSession(lambda: (self.weights_version, weights_stamp(self.policy)))
 
     context_name: str = "the model's context"
     """What ``max_context`` is called in an error, with the setting that raises it."""

@@ -10,12 +10,13 @@ kept out of ``generate()``, so the distribution is the one the loss and π_old m
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers.cache_utils import DynamicLayer
 
 from grpo_lightning.engines.base import (
     Completions,
@@ -25,6 +26,9 @@ from grpo_lightning.engines.base import (
     concat_completions,
     eval_mode,
 )
+from grpo_lightning.engines.continuation import GenerationSession, Kept, Resume, kept_after_sampling
+from grpo_lightning.engines.model_decoder import cache_kwarg
+from grpo_lightning.vision.inputs import generation_inputs, placeholder_token_ids, repeat_rows
 
 
 class StopOnSequences(StoppingCriteria):
@@ -70,6 +74,8 @@ class TransformersEngine(RolloutEngine):
 
     name = "transformers"
     shares_weights = True
+    takes_images = True  # generate(vision=...): a vision-language model's images (grpo_lightning/vision)
+    supports_continuation = True
 
     def generation_config(self, params: SamplingParams, group_size: int) -> GenerationConfig:
         """The whole sampling distribution, from ``params`` only: the model's ``generation_config`` never adds to it
@@ -98,24 +104,48 @@ class TransformersEngine(RolloutEngine):
         *,
         generator: torch.Generator | None = None,
         return_logprobs: bool = False,
+        session: GenerationSession | None = None,
+        vision: Sequence[Mapping[str, Tensor]] | None = None,
     ) -> Completions:
+        """``RolloutEngine.generate``; with a ``session`` (``open_session``), each row continues from the cache kept
+        at the session's previous call (``generate()`` given the kept cache prefills only the new tokens), and this
+        call's cache is kept for the next. ``vision``: a vision-language model's image inputs of each prompt
+        (``grpo_lightning/vision/inputs.py``), given with its chunk of prompts."""
         group_size = 1 if params.greedy else params.group_size
         config = self.generation_config(params, group_size)
+        if vision is not None:  # a vision-language model: its image placeholders are never a completion's tokens
+            config.suppress_tokens = placeholder_token_ids(self.policy)
         prompts_per_chunk = max(1, params.batch_size // group_size)
         device = prompt_ids.device
-        chunks = []
+        chunks, kept = [], []
+        if session is not None:
+            session.check_call(prompt_ids.size(0), group_size)
         for start in range(0, prompt_ids.size(0), prompts_per_chunk):
             ids, mask = prompt_ids[start : start + prompts_per_chunk], prompt_mask[start : start + prompts_per_chunk]
+            resume = (
+                session.resume(start, start + prompts_per_chunk, ids, mask, room=None) if session is not None else None
+            )
+            inputs = continued_inputs(resume, self.policy) if resume is not None else {}
+            rows_per_prompt = group_size  # what generate() expands each prompt into
+            if vision is not None:  # the chunk's own prompts' images, each prompt's G rows expanded here (how
+                # generate() expands image inputs is the model's: Idefics3's tiles went to the wrong rows)
+                ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)
+                rows_per_prompt = 1
+                chunk_vision = repeat_rows(vision[start : start + prompts_per_chunk], group_size)
+                inputs = {**inputs, **generation_inputs(self.policy, chunk_vision, ids), "num_return_sequences": 1}
+            context = inputs.get("input_ids", ids)
             seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device)) if generator else 0
             devices = [device] if device.type == "cuda" else []
             min_new = config.min_new_tokens
             with torch.random.fork_rng(devices=devices), eval_mode(self.policy), without_model_defaults(self.policy):
                 torch.manual_seed(seed)
-                stopping = StoppingCriteriaList([StopOnSequences(params.stop_sequences, ids.size(1), min_new)])
+                stopping = StoppingCriteriaList([StopOnSequences(params.stop_sequences, context.size(1), min_new)])
                 out = self.policy.generate(
-                    input_ids=ids, attention_mask=mask, generation_config=config, stopping_criteria=stopping
+                    **{"input_ids": ids, "attention_mask": mask, **inputs},
+                    generation_config=config,
+                    stopping_criteria=stopping,
                 )
-            tokens = out.sequences[:, ids.size(1) :]
+            tokens = out.sequences[:, context.size(1) :]
             logprobs = policy_logprobs = None
             if return_logprobs:
                 # ``scores`` are each step's logits after the processors that sampled it (the EOS ban, temperature,
@@ -131,7 +161,7 @@ class TransformersEngine(RolloutEngine):
                     ids,
                     mask,
                     tokens,
-                    group_size=group_size,
+                    group_size=rows_per_prompt,
                     eos_token_id=self.eos_token_ids or self.eos_token_id,
                     pad_token_id=self.pad_token_id,
                     max_new_tokens=params.max_new_tokens,
@@ -141,4 +171,59 @@ class TransformersEngine(RolloutEngine):
                     policy_logprobs=policy_logprobs,
                 )
             )
+            if session is not None:
+                contexts = resume.contexts if resume is not None else None
+                columns = inputs["attention_mask"] if resume is not None else mask.repeat_interleave(group_size, dim=0)
+                kept.append(kept_cache(out, columns, contexts, chunks[-1]))
+        if session is not None:
+            session.store(Kept.join(kept))
         return concat_completions(chunks, self.pad_token_id)
+
+
+def _cache_of(out: object) -> object:
+    # transformers 5 renamed the output's ``past_key_values`` to ``cache``.
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
+def continued_inputs(resume: Resume, model: nn.Module) -> dict[str, object]:
+    """``generate()``'s inputs to continue from a kept cache: the kept columns (their ids do not matter: they are
+    not computed again, and no processor here reads them) and the new tokens, their mask (holes where a kept
+    column holds padding or tokens decoded after a turn's end: position ids are counted over it), the cache."""
+    kept = resume.kept
+    cache = DynamicCache()
+    for layer, (k, v) in enumerate(zip(kept.keys, kept.values)):
+        cache.update(k, v, layer)
+    filler = torch.zeros(kept.valid.shape, dtype=torch.long, device=resume.new_ids.device)
+    return {
+        "input_ids": torch.cat([filler, resume.new_ids], dim=1),
+        "attention_mask": torch.cat([kept.valid.long(), resume.new_mask], dim=1),
+        cache_kwarg(model): cache,
+    }
+
+
+def kept_cache(
+    out: object,
+    mask: Tensor,
+    contexts: list[list[int]] | None,
+    completions: Completions,
+) -> Kept | None:
+    """What a ``generate()`` call keeps for the next: its cache, when every layer is a plain ``DynamicLayer``
+    (``mask``: which of the input columns hold the rows' tokens; ``contexts``: the rows' whole contexts, None: the
+    prompts of ``completions``)."""
+    layers = getattr(_cache_of(out), "layers", None)
+    if not layers or not all(type(layer) is DynamicLayer for layer in layers):
+        return None
+    if contexts is None:
+        contexts = [
+            ids[m.bool()].tolist() for ids, m in zip(completions.prompt_ids.cpu(), completions.prompt_mask.cpu())
+        ]
+    width = layers[0].keys.size(-2)
+    valid = torch.cat(
+        [mask.bool(), torch.ones(mask.size(0), width - mask.size(1), dtype=torch.bool, device=mask.device)], 1
+    )
+    lengths = completions.completion_mask.sum(-1)
+    keys, values = [layer.keys for layer in layers], [layer.values for layer in layers]
+    return Kept.whole(
+        kept_after_sampling(keys, values, valid, mask.size(1), contexts, completions.completion_ids, lengths)
+    )

@@ -60,15 +60,17 @@ def sample_next(
     return draw(filter_logits(logits.float(), temperature=temperature, top_k=top_k, top_p=top_p), generator=generator)
 
 
-def draw(scores: Tensor, *, generator: torch.Generator | None = None) -> Tensor:
+def draw(scores: Tensor, *, generator: torch.Generator | None = None, uniform: Tensor | None = None) -> Tensor:
     """One token per row from ``softmax(scores)`` (``[B, V]``, float32; filtered tokens at -inf).
 
     The draw inverts the cumulative distribution with one uniform number per row, which is exact and several times
-    cheaper than ``torch.multinomial`` (that draws an exponential variate for every vocabulary entry).
+    cheaper than ``torch.multinomial`` (that draws an exponential variate for every vocabulary entry). ``uniform``
+    ``[B, 1]``: those numbers, drawn by the caller (else from ``generator``).
     """
     # Unnormalised probabilities: comparing against u × total mass is the same as normalising first. Filtered
     # tokens have zero mass, so the cumulative sum is flat there and they are never the first index reaching u.
     cdf = _cumsum_unit_((scores - scores.amax(-1, keepdim=True)).exp_())
-    uniform = torch.rand(cdf.size(0), 1, device=cdf.device, generator=generator)
+    if uniform is None:
+        uniform = torch.rand(cdf.size(0), 1, device=cdf.device, generator=generator)
     threshold = (1.0 - uniform) * cdf[:, -1:]  # in (0, total]: never selects a token of zero mass at index 0
     return (cdf < threshold).sum(-1).clamp_(max=cdf.size(-1) - 1)

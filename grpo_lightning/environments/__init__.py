@@ -11,6 +11,12 @@
 ``stops.py``           stop texts in token space: the turn's cut (linear scan) and the engine's stop sequences
 ``trl_classes.py``     ``TRLEnvironment``: TRL's ``environment_factory`` classes (public methods as tools, reset,
                        get_reward; a dict of them chosen per row) in the chat template's own format
+``openenv.py``         ``OpenEnvEnvironment``: an OpenEnv server (at a URL, or started by the run), a session per
+                       trajectory; bounded retries, then one line
+``openenv_sessions.py`` its sessions: one event loop thread, bounded retries (replayed on a new session), one line
+``skyrl_gym.py``       ``SkyRLGymEnvironment``: a skyrl-gym environment by id (or the row's ``env_class``)
+``message_frames.py``  chat messages as an observation frame (the template's text up to the next assistant header)
+``local_server.py``    a server process the run starts and stops (no orphan: atexit, ``PR_SET_PDEATHSIG``)
 =====================  ==========================================================================================
 
 The rollout that drives them, in token space, is ``grpo_lightning/rollout/multiturn.py``.
@@ -19,12 +25,16 @@ The rollout that drives them, in token space, is ``grpo_lightning/rollout/multit
 from __future__ import annotations
 
 from grpo_lightning.environments.base import Environment, Step, check_environment, cut_marker
+from grpo_lightning.environments.openenv import OpenEnvEnvironment
+from grpo_lightning.environments.skyrl_gym import SkyRLGymEnvironment
 from grpo_lightning.environments.tool_env import ToolEnvironment
 from grpo_lightning.environments.tools import ToolBroken, ToolError, calculator, resolve_tool
 from grpo_lightning.environments.trl_classes import TRLEnvironment
 
 __all__ = [
     "Environment",
+    "OpenEnvEnvironment",
+    "SkyRLGymEnvironment",
     "Step",
     "TRLEnvironment",
     "ToolBroken",

@@ -164,6 +164,11 @@ class Environment(ABC):
         length limit); added to the turns' ``Step.rewards``. None (an empty dict) by default."""
         return {}
 
+    def close(self) -> None:
+        """Let go of what the environment holds across trajectories (sessions, a server the run started), asked
+        when the run ends, also after an error; a later use may start them again. Nothing by default."""
+        return None
+
     @abstractmethod
     def reset(self, row: dict[str, Any]) -> str | None:
         """Start a trajectory from a dataset row (``prompt`` and the other columns); the first observation or None."""

@@ -15,6 +15,7 @@ from grpo_lightning.models.sources import (
     model_source_error,
 )
 from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
+from grpo_lightning.vision.models import is_vision_model, load_vision_model, load_vision_tokenizer
 
 
 def load_tokenizer(model_name_or_path: str | None) -> PreTrainedTokenizerBase:
@@ -25,7 +26,10 @@ def load_tokenizer(model_name_or_path: str | None) -> PreTrainedTokenizerBase:
         return build_char_tokenizer()
     check_model_source(model_name_or_path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+        if is_vision_model(model_name_or_path):  # its processor's tokenizer, carrying the processor
+            tokenizer = load_vision_tokenizer(model_name_or_path)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
     except OSError as err:  # not on the Hub, no network, a private repository: one line that names the setting
         raise model_source_error(model_name_or_path, err) from err
     tokenizer.padding_side = "left"
@@ -43,6 +47,8 @@ def load_model(
     """
     if model_name_or_path is None:
         model = build_tiny_llama(tiny_model, tokenizer)
+    elif is_vision_model(model_name_or_path):  # grpo_lightning/vision: AutoModelForImageTextToText
+        model = load_vision_model(model_name_or_path, torch.get_default_dtype())
     else:
         model = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=torch.get_default_dtype())
     model.generation_config.pad_token_id = tokenizer.pad_token_id

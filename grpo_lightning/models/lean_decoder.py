@@ -1,5 +1,6 @@
-"""Decoding on the lean forward: ``LeanDecoder`` (a shared prefill, then one token per row into preallocated key and
-value buffers) and ``cpu_weight_packer`` (oneDNN's blocked weight layout for the decoding steps' products).
+"""Decoding on the lean forward: ``LeanDecoder`` (a shared prefill, or only the new tokens after kept keys and
+values, then one token per row into preallocated key and value buffers) and ``cpu_weight_packer`` (oneDNN's
+blocked weight layout for the decoding steps' products).
 
 The ``lean`` rollout engine (``grpo_lightning.engines.lean``) samples with it; ``models/lean.py`` holds the forward.
 """
@@ -78,17 +79,79 @@ class LeanDecoder:
                 buffer.view(rows, group_size, *buffer.shape[1:])[..., :length, :] = prefix[:, None]
                 buffers.append(buffer)
         self.filled = length
-        # Read once for all decoding steps, with large weights pre-packed on CPU (``cpu_weight_packer``).
-        self.layers = decoder_weights(self.model, cpu_weight_packer(rows * group_size, self.pack_min_elements))
-        self.positions = mask_positions(prompt_mask)[:, -1:].repeat_interleave(group_size, dim=0)
         # Padded prompts: a key mask over the buffer (prompt padding masked, generated positions open).
-        self.key_mask = None
+        key_mask = None
         if not bool(prompt_mask.all()):
-            self.key_mask = torch.ones(rows * group_size, capacity, dtype=torch.bool, device=prompt_ids.device)
-            self.key_mask[:, :length] = prompt_mask.bool().repeat_interleave(group_size, dim=0)
+            key_mask = torch.ones(rows * group_size, capacity, dtype=torch.bool, device=prompt_ids.device)
+            key_mask[:, :length] = prompt_mask.bool().repeat_interleave(group_size, dim=0)
+        positions = mask_positions(prompt_mask)[:, -1:].repeat_interleave(group_size, dim=0)
+        return self._start_decoding(hidden[:, -1], positions, key_mask)
+
+    @torch.no_grad()
+    def resume(
+        self,
+        keys: list[Tensor],
+        values: list[Tensor],
+        valid: Tensor,
+        new_ids: Tensor,
+        new_mask: Tensor,
+        positions: Tensor,
+    ) -> Tensor:
+        """Last-position logits ``[N, V]`` after appending ``new_ids`` ``[N, C]`` (left-padded: ``new_mask``; at
+        ``positions``) to rows whose earlier keys and values are kept: per layer ``[N, heads, capacity, D]``,
+        columns ``valid`` ``[N, W]`` holding the rows' tokens. Only the new tokens are computed; ``decode``
+        follows, writing into the same buffers."""
+        rows, width = valid.shape
+        chunk = new_ids.size(1)
+        end = width + chunk
+        self.keys, self.values = keys, values
+        causal = torch.ones(chunk, chunk, dtype=torch.bool, device=new_ids.device).tril()
+        # A padding query attends to itself too: a query with no key would give NaN (see ``_prompt_mask_4d``).
+        own = (causal & new_mask.bool()[:, None, :]) | torch.eye(chunk, dtype=torch.bool, device=new_ids.device)
+        mask = torch.cat([valid[:, None, :].expand(rows, chunk, width), own], dim=-1)[:, None]
+
+        def write(layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+            self.keys[layer][:, :, width:end] = k
+            self.values[layer][:, :, width:end] = v
+            return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+        hidden = decoder_hidden(self.model, new_ids, positions, mask, write)
+        self.filled = end
+        key_mask = torch.ones(rows, keys[0].size(2), dtype=torch.bool, device=new_ids.device)
+        key_mask[:, :width], key_mask[:, width:end] = valid, new_mask.bool()
+        return self._start_decoding(hidden[:, -1], positions[:, -1:], key_mask)
+
+    def _start_decoding(self, last_hidden: Tensor, positions: Tensor, key_mask: Tensor | None) -> Tensor:
+        """The logits of ``last_hidden``; the state ``decode`` starts from: ``positions`` ``[N, 1]`` of the decoding
+        rows' last tokens, ``key_mask`` ``[N, capacity]`` (None: every column open)."""
+        # Read once for all decoding steps, with large weights pre-packed on CPU (``cpu_weight_packer``).
+        self.layers = decoder_weights(self.model, cpu_weight_packer(positions.size(0), self.pack_min_elements))
+        self.positions, self.key_mask = positions, key_mask
         self.final_norm = norm_weights(self.model.model.norm)
         self.output = Projection(self.model.lm_head.weight, self.model.lm_head.bias)
-        return linear(rms_norm(hidden[:, -1], self.final_norm), self.output)
+        return linear(rms_norm(last_hidden, self.final_norm), self.output)
+
+    selectable = True  # ``select`` applies (as with the model's own forward on preallocated cache layers)
+
+    def select(self, rows: Tensor) -> None:
+        """Go on decoding ``rows`` (indices into the batch) only: the others' keys and values are dropped."""
+        keys, values, self.keys, self.values = self.keys, self.values, [], []
+        for old, new in ((keys, self.keys), (values, self.values)):
+            for buffer in old:
+                kept = buffer.new_empty(rows.numel(), *buffer.shape[1:])
+                kept[:, :, : self.filled] = buffer[rows, :, : self.filled]  # the filled columns: all that is read
+                new.append(kept)
+        self.positions = self.positions[rows]
+        self.key_mask = None if self.key_mask is None else self.key_mask[rows]
+
+    def kept(self) -> tuple[list[Tensor], list[Tensor], Tensor]:
+        """Each layer's key and value buffers, and which of the ``filled`` columns hold real tokens ``[N, filled]``
+        (prompt padding does not), for a later ``resume``."""
+        if self.key_mask is None:
+            valid = torch.ones(self.keys[0].size(0), self.filled, dtype=torch.bool, device=self.keys[0].device)
+        else:
+            valid = self.key_mask[:, : self.filled].clone()
+        return self.keys, self.values, valid
 
     @torch.no_grad()
     def decode(self, tokens: Tensor) -> Tensor:

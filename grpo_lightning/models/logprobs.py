@@ -10,7 +10,7 @@ token-budget bins of the sequences' real tokens, ``pack_tokens``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any, NamedTuple
 
@@ -38,6 +38,7 @@ from grpo_lightning.models.packing import (
     pack_budget,
     packing_isolates,
 )
+from grpo_lightning.vision.inputs import check_completions, forward_inputs, packing_off
 
 __all__ = [
     "DEFAULT_LOGPROB_CHUNK",
@@ -209,6 +210,7 @@ def completion_logprobs(
     positions: Tensor | None = None,
     groups: PromptGroups | None = None,
     pack_tokens: int | str | None = None,
+    vision: Sequence[Mapping[str, Tensor]] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs ``[N, T]`` of the completion tokens (and entropies), in micro-batches of rows.
 
@@ -231,7 +233,16 @@ def completion_logprobs(
     (``pack_budget``), and runs the bins (``models/packing.py``): on the lean forward, or on the model's own when
     its attention keeps packed sequences apart (``packing_isolates``; padded otherwise). Packing needs the chunked
     output layer (``chunk_size`` set); without one the rows run padded.
+
+    ``vision``: each row's image inputs (a vision-language model, ``grpo_lightning/vision/inputs.py``): each
+    micro-batch joins its own rows' and runs the model's own forward, padded (no lean forward, no packing), with
+    the positions the model's images need (Qwen-VL's 3-D M-RoPE).
     """
+    if vision is not None:
+        if pack_tokens is not None:
+            packing_off(pack_tokens)
+        check_completions(model, completion_ids, completion_mask)
+        lean, pack_tokens = False, None
     num_rows, completion_len = completion_ids.shape
     step = micro_batch_size or num_rows
     if (positions is not None or groups is not None) and step < num_rows:
@@ -278,10 +289,13 @@ def completion_logprobs(
             )
         with hooks as state:
             # use_cache=False: a training forward has no use for a KV cache, and building one costs memory.
+            extra = {"position_ids": mask_positions(attention)}
+            if vision is not None:  # the micro-batch's own rows' images, and their positions
+                extra = forward_inputs(model, vision[rows], input_ids, attention)
             output = model(
                 input_ids=input_ids,
                 attention_mask=attention,
-                position_ids=mask_positions(attention),
+                **extra,
                 logits_to_keep=completion_len + 1,
                 use_cache=False,
             ).logits[:, :-1]

@@ -21,6 +21,8 @@ from grpo_lightning.lora import LoraConfig, apply_lora
 from grpo_lightning.models.build import disable_dropout, enable_activation_checkpointing, load_model
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.strategies import broadcast_module, gathered, shard_model
+from grpo_lightning.vision.models import freeze_vision_tower as freeze_vision
+from grpo_lightning.vision.models import is_vision_model, vision_tower_pattern
 
 
 def build_policy(
@@ -34,16 +36,20 @@ def build_policy(
     no_dropout: bool = True,
     gradient_checkpointing: bool = False,
     lora: LoraConfig | None = None,
+    freeze_vision_tower: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedModel | None]:
     """``(policy, reference)``: the model to train, in train mode, and a frozen copy of it when ``reference``.
 
     With LoRA no copy is made (the reference is the policy with its adapter disabled). Under
     ``ModelParallelStrategy`` (``mesh`` set) both are sharded with FSDP2: each decoder layer, then the root.
+    ``freeze_vision_tower``: a vision-language model's vision encoder does not train (``vision/models.py``).
     """
     zero3 = bool(getattr(trainer.strategy, "zero_stage_3", False)) if trainer is not None else False
     policy = load_model(name, tiny_model, tokenizer)
     if no_dropout:
         disable_dropout(policy)  # before the reference is copied from it: both without dropout
+    if freeze_vision_tower and is_vision_model(name):
+        freeze_vision(policy)
     if mesh is not None and name is None:
         broadcast_module(policy)  # random weights: every rank must shard the same model
     ref = None
@@ -58,8 +64,9 @@ def build_policy(
         ref.eval().requires_grad_(False)
     if gradient_checkpointing:
         enable_activation_checkpointing(policy)
-    if lora is not None:
-        policy = apply_lora(policy, lora)
+    if lora is not None:  # a frozen vision tower gets no adapters (grpo_lightning/vision/models.py)
+        frozen_tower = freeze_vision_tower and is_vision_model(name)
+        policy = apply_lora(policy, lora, exclude=vision_tower_pattern() if frozen_tower else None)
         if mesh is not None:
             broadcast_module(policy, trainable_only=True)  # adapters start random on every rank
     policy.train()  # from_pretrained returns eval mode; the update runs in train mode

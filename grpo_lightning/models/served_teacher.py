@@ -80,8 +80,9 @@ class ServedTeacher:
         if temperature != 1.0:
             raise ConfigError(
                 f"model.teacher.url: a served teacher gives temperature-1 log-probs (vLLM's prompt_logprobs), but "
-                f"data.sampling.temperature is {temperature:g}: set it to 1.0, or load the teacher locally "
-                "(model.teacher.model_name_or_path) whose pass applies the temperature"
+                f"the teacher's temperature is {temperature:g} (model.teacher.temperature, else "
+                "data.sampling.temperature): set model.teacher.temperature to 1.0, or load the teacher locally "
+                "(model.teacher.model_name_or_path) whose pass applies any temperature"
             )
 
     def build(self, student: torch.nn.Module, tokenizer: Any) -> None:

@@ -10,7 +10,8 @@ minus the reverse KL's estimate on the student's own sample,
 whose expectation over the student's token is −KL(π_S ‖ π_T) at that position. It is a dense advantage: added to
 each token's group-relative advantage (or alone), it goes through the configured policy loss, its clipping and its
 off-policy corrections, so it works with every engine and at a lag. π_S is the student as the round's log-prob
-passes see it (π_old at lag 0, π_prox at a lag), at the sampling temperature, as the teacher is.
+passes see it (π_old at lag 0, π_prox at a lag), at the sampling temperature; the teacher scores at the same one
+unless ``temperature`` (τ_T) sets its own.
 
 TRL's ``DistillationTrainer`` (beta = 1, on-policy) differentiates the full-vocabulary reverse KL of each position
 instead; ``reverse_kl_per_token`` computes that quantity, equal to TRL's per-token divergence on the same logits
@@ -58,6 +59,11 @@ class TeacherConfig:
     weight: float = 1.0
     """λ: the distillation advantage's weight; the rewards' group-relative advantage is added as it is (with
     ``data.rewards: []`` the teacher alone teaches)."""
+    temperature: float | None = None
+    """τ_T: the teacher's log-probs are those of softmax(z_T / τ_T), the student's stay at the sampling temperature
+    T. None: τ_T = T (the reverse KL to the teacher as it samples). τ_T < T sharpens the target toward the teacher's
+    greedy answers (a teacher right greedily that spreads mass over wrong answers at T); 1.0 lets a served teacher,
+    whose log-probs are the raw model's, teach a student sampling at any T."""
 
     def __post_init__(self) -> None:
         if bool(self.model_name_or_path) == bool(self.url):
@@ -69,6 +75,8 @@ class TeacherConfig:
             raise ConfigError(f"model.teacher.dtype must be auto, float32, bfloat16 or float16 (got {self.dtype!r})")
         if not self.weight > 0:
             raise ConfigError(f"model.teacher.weight must be > 0 (got {self.weight})")
+        if self.temperature is not None and not self.temperature > 0:
+            raise ConfigError(f"model.teacher.temperature must be > 0 or null (got {self.temperature})")
         if not self.timeout_s > 0 or self.retries < 0:
             raise ConfigError(
                 f"model.teacher.timeout_s must be > 0 and retries >= 0 (got {self.timeout_s}, {self.retries})"
@@ -112,7 +120,7 @@ class Teacher:
         return config_context_length(config)
 
     def check_temperature(self, temperature: float) -> None:
-        """Any sampling temperature: the pass applies it to the teacher's logits as to the student's."""
+        """Any temperature: the pass divides the teacher's logits by it."""
 
     @torch.no_grad()
     def logprobs(

@@ -15,7 +15,8 @@ from grpo_lightning.models.logprobs import logprob_layout
 
 @dataclass
 class RolloutBatch:
-    """The tensors of one rollout round (N = prompts × G rows, groups adjacent) and the texts behind them."""
+    """The tensors of one rollout round (N = prompts × G rows, groups adjacent; more where an agent's session made
+    several rows: ``trajectory``) and the texts behind them."""
 
     prompt_ids: Tensor  # [N, P] left-padded
     prompt_mask: Tensor  # [N, P]
@@ -56,9 +57,39 @@ class RolloutBatch:
     temperature: float = 1.0
     max_new_tokens: int = 0
     pack_tokens: int | str | None = None  # ``data.pack_tokens``: packed or padded log-prob passes
+    # [N] each row's trajectory, rows of one adjacent (an agent's session may make several rows: ``agents/``): group
+    # statistics and advantages are per trajectory, each row taking its trajectory's. None: row i is trajectory i.
+    trajectory: Tensor | None = None
+    agent_log: dict[str, float] = field(default_factory=dict)  # the round's ``agent/`` counts (``agents/rollout.py``)
+    # [N] a vision-language model's image inputs of each row's prompt (``vision/inputs.py``; {} for a text-only
+    # row), on the CPU: each forward joins its own rows'. Empty for a text model.
+    vision: list[dict[str, Tensor]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return self.completion_ids.size(0)
+
+    def trajectory_starts(self) -> Tensor:
+        """``[N]`` bool: the row is its trajectory's first (every row when rows are trajectories)."""
+        if self.trajectory is None:
+            return torch.ones(len(self), dtype=torch.bool, device=self.rewards.device)
+        t = self.trajectory
+        return torch.cat([torch.ones_like(t[:1], dtype=torch.bool), t[1:] != t[:-1]])
+
+    def per_trajectory(self) -> RolloutBatch:
+        """One row per trajectory (its first; all of a trajectory's rows share its reward): what group statistics
+        are taken over. The batch itself when its rows are its trajectories."""
+        return self if self.trajectory is None else self.select(self.trajectory_starts().nonzero().squeeze(1))
+
+    def trajectory_values(self, values: Tensor) -> Tensor:
+        """``values`` of each trajectory (``[K, ...]``, in order) for each of its rows (``[N, ...]``)."""
+        if self.trajectory is None:
+            return values
+        return values[(self.trajectory_starts().long().cumsum(0) - 1).to(values.device)]
+
+    def group_rows(self, group: int, group_size: int) -> Tensor:
+        """The rows of the ``group``-th group (its ``group_size`` trajectories)."""
+        ordinal = self.trajectory_starts().long().cumsum(0) - 1
+        return (ordinal // group_size == group).nonzero().squeeze(1)
 
     def select(self, rows: Tensor) -> RolloutBatch:
         """The rows ``rows`` (a 1-D index tensor) of every per-row field."""
@@ -84,11 +115,13 @@ class RolloutBatch:
         out = {}
         for f in fields(RolloutBatch):
             values = [getattr(b, f.name) for b in batches]
-            if isinstance(values[0], Tensor):
+            if f.name == "trajectory" and values[0] is not None:
+                out[f.name] = _numbered_apart(values)
+            elif isinstance(values[0], Tensor):
                 out[f.name] = _cat_padded(values, f.name, pad_token_id)
             elif isinstance(values[0], list):
                 out[f.name] = [item for value in values for item in value]
-            elif f.name == "reward_log":  # scalars of each draw: their mean over the draws that logged them
+            elif f.name in ("reward_log", "agent_log"):  # a draw's scalars: their mean over the draws that logged them
                 names = list(dict.fromkeys(name for value in values for name in value))
                 out[f.name] = {n: sum(v[n] for v in values if n in v) / sum(n in v for v in values) for n in names}
             elif f.name in _PER_ROW_COLUMNS:
@@ -149,6 +182,8 @@ class RolloutBatch:
             batch["ref_logprobs"] = self.ref_logprobs[rows, :keep]
         if self.engine_logprobs is not None:
             batch["engine_logprobs"] = self.engine_logprobs[rows, :keep]
+        if self.vision:
+            batch["vision"] = [self.vision[i] for i in rows.tolist()]
         return batch
 
     def micro_batches(
@@ -171,13 +206,19 @@ class RolloutBatch:
         Each micro-batch carries ``num_items`` and ``num_rows``: the loss tokens and the rows of its whole
         mini-batch, summed over ranks by ``sum_across_ranks`` under data parallelism, so that every aggregation but
         ``micro_batch_token_mean`` makes the same step whatever the micro-batches hold or the number of ranks.
+
+        The counts are planned on trajectories: where an agent's sessions made more rows than trajectories, each
+        pass still makes ``trajectories / mini_batch_size`` mini-batches of ``mini / micro`` micro-batches, the
+        extra rows spread over them (a few more rows per micro-batch).
         """
         n = len(self)
         loss_mask = self.completion_mask if self.loss_mask is None else self.loss_mask
+        planned = n if self.trajectory is None else int(self.trajectory_starts().sum())
+        steps = -(-planned // mini_batch_size)  # mini-batches per pass, as the settings planned them
         minis = [
-            order[start : start + mini_batch_size]
+            mini
             for order in (torch.randperm(n, generator=generator) for _ in range(num_iterations))
-            for start in range(0, n, mini_batch_size)
+            for mini in (order.split(mini_batch_size) if n == planned else order.tensor_split(steps))
         ]
         tokens = torch.stack([loss_mask[mini.to(loss_mask.device)].sum() for mini in minis]).float()
         counts = torch.tensor([float(len(mini)) for mini in minis], device=tokens.device)
@@ -187,8 +228,9 @@ class RolloutBatch:
         lengths = self.completion_mask.sum(1).cpu() if balance_tokens else None
         out = []
         for mini, num_items, num_rows in zip(minis, *totals.cpu()):
-            parts = max(len(mini) // micro_batch_size, 1)
-            for rows in balanced_split(mini, parts, lengths) if lengths is not None else mini.split(micro_batch_size):
+            parts = max((len(mini) if n == planned else mini_batch_size) // micro_batch_size, 1)
+            split = mini.split(micro_batch_size) if n == planned else mini.tensor_split(parts)
+            for rows in balanced_split(mini, parts, lengths) if lengths is not None else split:
                 batch = self.tensors(rows.to(loss_mask.device))
                 batch["num_items"], batch["num_rows"] = num_items, num_rows
                 out.append(batch)
@@ -220,6 +262,16 @@ def _column(batch: RolloutBatch, column: str, name: str) -> list[Any]:
     return list(values[name]) if name in values else [0.0] * len(batch)
 
 
+def _numbered_apart(trajectories: list[Tensor]) -> Tensor:
+    """Draws' ``trajectory`` columns joined, each shifted past the previous ones: no two draws share a number, so a
+    draw's first row starts a trajectory of its own."""
+    out, offset = [], 0
+    for t in trajectories:
+        out.append(t - t.min() + offset)
+        offset += int(t.max() - t.min()) + 1
+    return torch.cat(out)
+
+
 def _cat_padded(tensors: list[Tensor], name: str, pad_token_id: int) -> Tensor:
     if tensors[0].dim() < 2:
         return torch.cat(tensors)
@@ -242,7 +294,10 @@ class LazyRound(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         if self.batches is None:
-            self.batches = self.collect()
+            try:
+                self.batches = self.collect()
+            except StopIteration as err:  # out of here, the data loader's iterator would read it as the epoch's end
+                raise RuntimeError(f"the round raised StopIteration ({err!r}): a bug in a rollout step") from err
             if len(self.batches) != self.length:  # the settings fix the count; a mismatch is a bug
                 raise RuntimeError(f"the round made {len(self.batches)} micro-batches, {self.length} were planned")
         return self.batches[index]

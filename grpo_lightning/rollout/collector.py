@@ -28,7 +28,8 @@ from datasets import Dataset
 from lightning import Trainer
 from torch import Tensor
 
-from grpo_lightning.config import AdvantageConfig, SamplingConfig
+from grpo_lightning.config import AdvantageConfig, ConfigError, SamplingConfig
+from grpo_lightning.config_checks import check_accumulation, check_weights_can_leave
 from grpo_lightning.engines import RolloutEngine, build_engine
 from grpo_lightning.environments.base import Environment
 from grpo_lightning.lora import is_peft_model
@@ -41,6 +42,7 @@ from grpo_lightning.rollout.schedule import BackgroundRollouts, policy_state
 from grpo_lightning.rollout.stream import PromptStream
 from grpo_lightning.rollout.worker import WorkerSpec
 from grpo_lightning.strategies import gather_per_rank
+from grpo_lightning.vision.engines import check_vision_run
 
 
 class RoundPrompts(Protocol):
@@ -117,6 +119,27 @@ class RolloutCollector:
         """Sample from ``policy`` (its weights are read when a round runs: it may not be built yet), on this rank
         of ``trainer`` (its precision, rank and world size), drawing from ``prompts``."""
         self._policy, self._trainer, self._prompts = policy, trainer, prompts
+
+    def check_before_fit(self) -> None:
+        """Refuse, in one line and before any prompt or model loads, a run these settings cannot train: weights
+        that cannot leave the strategy for the engine, batch sizes the Trainer's accumulation does not fit, a
+        temperature the teacher cannot score at, what a vision model cannot do yet, no learning signal at all."""
+        trainer = self._trainer
+        check_weights_can_leave(trainer.strategy, self.engine, self.rollout_lag)
+        check_accumulation(
+            trainer.accumulate_grad_batches,
+            rollout=self.rollout_size,
+            mini=self.mini_batch_size,
+            micro=self.micro_batch_size,
+        )
+        policy = self.policy  # after the strategy's checks, which need no model
+        policy.check_teacher(self.sampling.temperature)
+        check_vision_run(policy.tokenizer, self.engine, self.environment, self.rollout_lag)
+        if not self.scorer.specs and self.environment is None and policy.distillation_weight is None:
+            raise ConfigError(
+                "data.rewards is empty and neither model.teacher nor data.environment gives a learning signal: "
+                "name a reward (e.g. [{name: exact_answer}]) or set model.teacher"
+            )
 
     @property
     def policy(self) -> PolicySide:

@@ -41,6 +41,8 @@ from grpo_lightning.rollout.prompts import (
     load_prompts,
     rename_prompt_column,
 )
+from grpo_lightning.vision.encoder import VisionPromptEncoder
+from grpo_lightning.vision.models import processor_of
 
 log = logging.getLogger(__name__)
 
@@ -210,13 +212,14 @@ class PromptData:
         return held_out_loader(data, self.val_batch_size, sampler, rank=rank, world_size=world)
 
     def encoder(self, tokenizer: Any = None) -> PromptEncoder:
-        """The prompts' encoder for ``tokenizer`` (default: the policy's), with this module's chat settings."""
-        return PromptEncoder(
-            self.policy_side.tokenizer if tokenizer is None else tokenizer,
-            self.use_chat_template,
-            system_prompt=self.system_prompt,
-            chat_template_kwargs=self.chat_template_kwargs,
-        )
+        """The prompts' encoder for ``tokenizer`` (default: the policy's), with this module's chat settings; a
+        vision-language model's (its tokenizer carries its processor) encodes the rows' images too."""
+        tokenizer = self.policy_side.tokenizer if tokenizer is None else tokenizer
+        settings = {"system_prompt": self.system_prompt, "chat_template_kwargs": self.chat_template_kwargs}
+        processor = processor_of(tokenizer)
+        if processor is not None:
+            return VisionPromptEncoder(tokenizer, processor, self.use_chat_template, **settings)
+        return PromptEncoder(tokenizer, self.use_chat_template, **settings)
 
 
 def checked_rows(

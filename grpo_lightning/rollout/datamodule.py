@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from grpo_lightning.config import AdvantageConfig, ConfigError, EvalConfig, SamplingConfig
-from grpo_lightning.config_checks import check_accumulation, check_ranges, check_round_settings, check_weights_can_leave
+from grpo_lightning.config_checks import check_ranges, check_round_settings
 from grpo_lightning.engines import RolloutEngine
 from grpo_lightning.environments.base import Environment, check_environment
 from grpo_lightning.rewards import RewardSpec
@@ -242,7 +242,7 @@ class RolloutDataModule(PromptData, LightningDataModule):
             return
         with prompts_as_keys(rollout):  # groups are matched to prompts by key: a conversation by its JSON
             self.curriculum.observe(
-                rollout,
+                rollout.per_trajectory(),  # one row per trajectory (an agent's session may make several)
                 lambda i: prompt_key(self.train_data[i]["prompt"]),
                 self.sampling.group_size,
                 self.scorer.accuracy_reward,
@@ -255,19 +255,7 @@ class RolloutDataModule(PromptData, LightningDataModule):
         collector = self.collector
         collector.connect(self.policy_side, self.trainer, prompts=self)
         if stage == "fit":
-            check_weights_can_leave(self.trainer.strategy, collector.engine, self.rollout_lag)
-            check_accumulation(
-                self.trainer.accumulate_grad_batches,
-                rollout=collector.rollout_size,
-                mini=collector.mini_batch_size,
-                micro=collector.micro_batch_size,
-            )
-            self.policy_side.check_teacher(self.sampling.temperature)
-            if not self.scorer.specs and self.environment is None and self.policy_side.distillation_weight is None:
-                raise ConfigError(
-                    "data.rewards is empty and neither model.teacher nor data.environment gives a learning signal: "
-                    "name a reward (e.g. [{name: exact_answer}]) or set model.teacher"
-                )
+            collector.check_before_fit()
             if self.train_data is None:
                 self.train_data = self._checked(self.sources.training_rows(), self.sources.train_where)
         held_out = self.sources.held_out(self.val_limit) if self.val_data is None else None
@@ -304,14 +292,19 @@ class RolloutDataModule(PromptData, LightningDataModule):
         return batches
 
     def teardown(self, stage: str) -> None:
-        """The collector lets go of the engine's memory and stops the background process of a lag."""
+        """The collector lets go of the engine's memory and stops the background process of a lag; the environment
+        closes its sessions and any server the run started."""
         self.collector.close()
+        if self.environment is not None:
+            self.environment.close()
 
     def on_exception(self, exception: BaseException) -> None:
         """A run that fails stops its background rollout process too (Lightning runs no teardown after an error;
         the process would otherwise wait, idle, until this one ends)."""
         if self.collector.background is not None:
             self.collector.background.close()
+        if self.environment is not None:  # a server the run started stops now, not at the interpreter's exit
+            self.environment.close()
 
     # ----------------------------------------------------------------------------------------- loaders
     def train_dataloader(self) -> DataLoader:

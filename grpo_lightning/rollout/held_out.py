@@ -68,6 +68,7 @@ class HeldOutSampler:
         }
         with torch.no_grad(), module.rollout_context():
             greedy = sample_and_score(columns, params=self.sampling.params(greedy=True, group_size=1), **common)
+            greedy = greedy.per_trajectory()  # an agent's session may make several rows: one per trajectory here
             out: dict[str, Any] = {
                 "reward": greedy.rewards.float(),
                 "length": greedy.completion_mask.sum(-1).float(),
@@ -80,7 +81,7 @@ class HeldOutSampler:
             seed = self.seed + 1_000_003 * (self.rank + 1) + rows[0][0]
             generator = torch.Generator(device=module.device).manual_seed(seed)
             params = self.sampling.params(group_size=k, temperature=self.config.temperature, min_new_tokens=0)
-            samples = sample_and_score(columns, params=params, generator=generator, **common)
+            samples = sample_and_score(columns, params=params, generator=generator, **common).per_trajectory()
         out["sample_reward"] = samples.rewards.float()
         out["sample_length"] = samples.completion_mask.sum(-1).float()
         if samples.correct is not None:

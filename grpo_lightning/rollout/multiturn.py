@@ -15,6 +15,8 @@
        answer); otherwise its observation is tokenized on its own and appended, and the next turn follows. An
        environment fits its observations to ``max_observation_tokens`` (``Environment.fit_observation``: the text
        cut, its frame kept); the rollout cuts an oversize one's tokens only as a last resort, with a warning.
+       The active trajectories' environments answer a turn one at a time, or up to the environment's
+       ``max_concurrency`` at once in threads (``step_environments``: the same answers, in the same order).
 
 An environment may choose a trajectory's prompt after ``reset``: the function schemas the chat template lists
 (``prompt_tools``) and the prompt itself (``trajectory_prompt``: TRL's classes append reset's text to its last
@@ -29,14 +31,22 @@ The engine's log-probs of environment tokens are 0 (never used: masked).
 Limits: ``environment.max_turns`` policy turns, ``environment.max_turn_tokens`` per turn, and
 ``params.max_new_tokens`` for everything after the prompt. A trajectory cut by a length limit (a turn without EOS
 or stop, or no room left for an observation and a next turn) is ``truncated``, as a single-turn completion cut
-by ``max_new_tokens`` is. Each turn re-prefills its context in the engine; no engine continues from the previous
-turn's cache yet.
+by ``max_new_tokens`` is.
+
+Each turn after the first continues from the engine's KV cache where the engine keeps one (``lean``,
+``transformers``: ``supports_continuation``, ``engines/continuation.py``): the engine prefills only what the
+trajectory added since its last call (the observation, and the turn's last token if it was never fed back), and
+the trajectories that ended drop out of its batch, their cache with them. The cache lives for one call of
+``generate_trajectories`` (closed when it returns, so it never meets the next round's weights); other engines
+prefill every turn's whole context (vLLM's prefix cache finds the shared prefix itself). The kept keys and values
+were computed in other matrix shapes than a full prefill's, so later turns' logits differ from it in the last bits.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,8 +55,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams
+from grpo_lightning.engines.continuation import GenerationSession
 from grpo_lightning.environments import stops
-from grpo_lightning.environments.base import Environment
+from grpo_lightning.environments.base import Environment, Step
 from grpo_lightning.rollout.prompts import PromptEncoder
 
 _WARNED_OVERSIZE: set[str] = set()  # environment classes already warned about an oversize observation
@@ -142,6 +153,19 @@ def observation_ids(environment: Environment, text: str, tokenizer: Any) -> list
     return ids
 
 
+def step_environments(environments: list[Environment], turns: list[str], max_workers: int = 1) -> list[Step]:
+    """``environments[i].step(turns[i])`` for each i, in order. One at a time in this thread when ``max_workers`` is
+    1 (an environment that times its calls with SIGALRM, ``ToolEnvironment``, needs the main thread); else at most
+    ``max_workers`` at once in a thread pool, for environments that wait on a server or a process (an environment's
+    ``max_concurrency``). The same steps either way: each trajectory's copy steps only itself, and the results keep
+    the trajectories' order (the first exception, in that order, is raised once every step has ended)."""
+    if max_workers <= 1 or len(environments) <= 1:
+        return [env.step(turn) for env, turn in zip(environments, turns)]
+    workers = min(max_workers, len(environments))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="environment-step") as pool:
+        return list(pool.map(lambda env, turn: env.step(turn), environments, turns))
+
+
 def _left_padded(rows: list[list[int]], pad_token_id: int, device: torch.device | str) -> tuple[Tensor, Tensor]:
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
@@ -170,6 +194,27 @@ def generate_trajectories(
     device: torch.device | str = "cpu",
 ) -> Trajectories:
     """``params.group_size`` trajectories (one when greedy) per prompt of ``rows``; see the module docstring."""
+    # An engine that continues from its kept KV cache does so across this rollout's turns, and only here: the
+    # session is closed when the rollout ends, before any weight update (``engines/continuation.py``).
+    session = engine.open_session() if getattr(engine, "supports_continuation", False) else None
+    try:
+        return _generate(rows, engine, encoder, environment, params, generator, return_logprobs, device, session)
+    finally:
+        if session is not None:
+            session.close()
+
+
+def _generate(
+    rows: dict[str, list[Any]],
+    engine: RolloutEngine,
+    encoder: PromptEncoder,
+    environment: Environment,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    return_logprobs: bool,
+    device: torch.device | str,
+    session: GenerationSession | None,
+) -> Trajectories:
     tokenizer = encoder.tokenizer
     setup_environment(environment, tokenizer)
     group = 1 if params.greedy else params.group_size
@@ -209,16 +254,21 @@ def generate_trajectories(
     if rendered and grouped:
         prompt_ids, prompt_mask = _left_padded([t.prompt for t in trajectories[::group]], pad, device)
 
+    called: list[_Trajectory] = []  # the rows of the engine's last call, whose keys and values it keeps
     for turn in range(environment.max_turns):
         active = [t for t in trajectories if t.active]
         if not active:
             break
         limits = [min(turn_limit, total_limit - len(t.ids)) for t in active]
         turn_params = params.with_(max_new_tokens=max(limits), stop_sequences=stop_ids)
+        continuing: dict[str, Any] = {}
+        if session is not None:  # the trajectories that go on keep their cache; only their new tokens are prefilled
+            session.select([i for i, t in enumerate(called) if t.active])
+            continuing, called = {"session": session}, active
         if turn == 0 and grouped and not any(t.ids for t in trajectories):
             # All trajectories of a group share their context: the engine's group sampling, one prefill per prompt.
             out = engine.generate(
-                prompt_ids, prompt_mask, turn_params, generator=generator, return_logprobs=return_logprobs
+                prompt_ids, prompt_mask, turn_params, generator=generator, return_logprobs=return_logprobs, **continuing
             )
         else:
             ids, mask = _left_padded([t.prompt + t.ids for t in active], pad, device)
@@ -228,12 +278,14 @@ def generate_trajectories(
                 turn_params.with_(group_size=1, min_new_tokens=0),
                 generator=generator,
                 return_logprobs=return_logprobs,
+                **continuing,
             )
         lengths = out.completion_mask.sum(-1).tolist()
         generated = out.completion_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         policy_logprobs = out.policy_logprobs.tolist() if out.policy_logprobs is not None else None
         with_policy_logprobs = with_policy_logprobs and policy_logprobs is not None
+        sampled = []  # each active trajectory's turn: (trajectory, text, ended, stopped), stepped together below
         for i, (trajectory, limit) in enumerate(zip(active, limits)):
             ids = generated[i][: min(lengths[i], limit)]
             ids = ids[: next((k + 1 for k, token in enumerate(ids) if token in ends), len(ids))]  # its first end
@@ -250,10 +302,12 @@ def generate_trajectories(
             )
             trajectory.segments.append(text)
             trajectory.final_text, trajectory.turns = text, trajectory.turns + 1
-
-            start = time.perf_counter()
-            step = trajectory.env.step(text)
-            env_seconds += time.perf_counter() - start
+            sampled.append((trajectory, text, ended, stopped))
+        start = time.perf_counter()
+        workers = getattr(environment, "max_concurrency", 1)  # OpenEnv's, skyrl-gym's setting; others: 1
+        steps = step_environments([t[0].env for t in sampled], [t[1] for t in sampled], workers)
+        env_seconds += time.perf_counter() - start
+        for (trajectory, _, ended, stopped), step in zip(sampled, steps):
             for name, value in step.rewards.items():
                 trajectory.rewards[name] = trajectory.rewards.get(name, 0.0) + float(value)
             for name, value in step.metrics.items():

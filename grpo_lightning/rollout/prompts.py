@@ -176,13 +176,33 @@ class PromptEncoder:
 
     def messages(self, prompt: Prompt) -> list[dict[str, Any]]:
         """The conversation the template renders for ``prompt`` (its messages, the system prompt first if set)."""
-        problem = prompt_problem(prompt)
+        problem = self.prompt_problem(prompt)
         if problem is not None:
             raise ConfigError(f"data.prompt_column: {problem}")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [_clean(m) for m in prompt]
         if self.system_prompt is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return messages
+
+    def prompt_problem(self, prompt: Any) -> str | None:
+        """Why ``prompt`` is not one this encoder renders (``prompt_problem``), or None."""
+        return prompt_problem(prompt)
+
+    def check_rows(self, data: Dataset, where: str) -> None:
+        """Every row of ``data`` (its ``prompt`` column) is a prompt this encoder renders; refused in one line that
+        names ``where`` and the row. (A vision-language model's encoder checks the rows' images too.)"""
+        for row, prompt in enumerate(data["prompt"]):
+            problem = self.prompt_problem(prompt)
+            if problem is not None:
+                raise ConfigError(f"{where} row {row}: {problem}")
+
+    def encode_rows(
+        self, rows: Mapping[str, list[Any]], device: torch.device | str = "cpu"
+    ) -> tuple[Tensor, Tensor, list[dict[str, Tensor]] | None]:
+        """``encode`` of a round's ``rows`` (a dict of columns with ``prompt``), and each row's image inputs: None
+        here; a vision-language model's encoder (``vision/encoder.py``) reads the rows' images."""
+        prompt_ids, prompt_mask = self.encode(rows["prompt"], device)
+        return prompt_ids, prompt_mask, None
 
     def render(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> str:
         """The text the model is given for one prompt; ``tools``: function schemas the chat template lists in it
@@ -265,10 +285,7 @@ def check_prompt_rows(
     one as the model is given it, plus the completion, fits the context (``validation.check_prompts``). ``tools``:
     each row's function schemas, listed in its prompt (an environment's ``prompt_tools``)."""
     prompts = data["prompt"]
-    for row, prompt in enumerate(prompts):
-        problem = prompt_problem(prompt)
-        if problem is not None:
-            raise ConfigError(f"{where} row {row}: {problem}")
+    encoder.check_rows(data, where)
     texts = encoder.texts(list(prompts)) if tools is None else [encoder.render(p, t) for p, t in zip(prompts, tools)]
     check_prompts(
         {"prompt": texts},  # rendered: the lengths are the model's

@@ -207,7 +207,8 @@ def finish_round(
         # every rank takes the names of all ranks (0 where it had none), so all log the same metrics. Only an
         # environment's names differ; without one, no collective.
         batch.align_columns(agreed_names(batch.column_names(), per_rank))
-    batch.advantages = compute_advantages(batch, settings, all_gather)  # 4. group-relative advantages
+    # 4. group-relative advantages, over trajectories: the rows of an agent's session (agents/) take its own
+    batch.advantages = batch.trajectory_values(compute_advantages(batch.per_trajectory(), settings, all_gather))
     # Multi-turn: the policy's tokens only; environment tokens stay context, out of the loss and the KL.
     batch.loss_mask = (batch.completion_mask if batch.action_mask is None else batch.action_mask).clone()
     if settings.mask_truncated_completions:
@@ -265,7 +266,7 @@ def agreed_names(names: dict[str, list[str]], per_rank: Callable[[Any], list[Any
 
 def informative_groups(batch: RolloutBatch, group_size: int) -> Tensor:
     """[groups] bool: the group's rewards are not all equal (so its advantages are not all zero)."""
-    grouped = batch.rewards.view(-1, group_size)
+    grouped = batch.per_trajectory().rewards.view(-1, group_size)
     return (grouped.max(-1).values - grouped.min(-1).values) > 1e-6
 
 
@@ -277,11 +278,11 @@ def refill_informative(
     Returns the rollout (informative groups first, topped up with uninformative ones to keep its size), the
     completions generated and the generations it took.
     """
-    wanted = len(batch) // group_size
+    wanted = len(batch.per_trajectory()) // group_size
     kept, spare, generated, rounds = [], [], len(batch), 1
     while True:
         for group, useful in enumerate(informative_groups(batch, group_size).tolist()):
-            rows = torch.arange(group * group_size, (group + 1) * group_size)
+            rows = batch.group_rows(group, group_size)
             (kept if useful else spare).append(batch.select(rows))
         if len(kept) >= wanted or rounds >= max_rounds:
             break
@@ -341,7 +342,8 @@ def gdpo_advantages(
 
 def rollout_metrics(batch: RolloutBatch, group_size: int, timings: dict[str, float]) -> dict[str, float]:
     """Scalar summaries of a round: rewards, advantages, lengths, the share of uninformative groups, timings."""
-    rewards, advantages = batch.rewards.float(), batch.advantages.float()
+    trajectories = batch.per_trajectory()  # rewards once per trajectory (an agent's session may make several rows)
+    rewards, advantages = trajectories.rewards.float(), batch.advantages.float()
     if advantages.dim() == 2:  # process rewards: summarise the advantages of real tokens
         advantages = advantages[batch.completion_mask.bool()]
     lengths = batch.completion_mask.sum(-1).float()
@@ -357,7 +359,7 @@ def rollout_metrics(batch: RolloutBatch, group_size: int, timings: dict[str, flo
         # Groups whose rewards are all equal have zero advantage everywhere: they teach nothing.
         "rollout/zero_std_group_fraction": 1.0 - informative_groups(batch, group_size).float().mean().item(),
     }
-    for name, values in batch.reward_columns.items():
+    for name, values in trajectories.reward_columns.items():
         applicable = [v for v in values if v is not None]
         metrics[f"reward/{name}"] = sum(applicable) / len(applicable) if applicable else float("nan")
     if batch.step_rewards is not None:
@@ -366,6 +368,7 @@ def rollout_metrics(batch: RolloutBatch, group_size: int, timings: dict[str, flo
         metrics["rollout/unscorable_fraction"] = batch.unscorable.float().mean().item()
     for name, value in batch.reward_log.items():  # what reward functions logged with ``log_metric``
         metrics[f"reward_log/{name}"] = value
+    metrics.update({f"agent/{name}": value for name, value in batch.agent_log.items()})  # agents/rollout.py
     for phase, seconds in timings.items():
         metrics[f"time/{phase}"] = seconds
     if timings.get("generate"):

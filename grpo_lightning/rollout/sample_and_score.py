@@ -3,7 +3,8 @@
 The training round, held-out evaluation (greedy pass@1 and k samples for pass@k / maj@k) and rejection sampling
 all call ``sample_and_score``: encode the prompts, have the engine sample, decode, score with every reward.
 With an environment (``data.environment``) the engine samples multi-turn trajectories instead
-(``rollout/multiturn.py``) and the rewards score each trajectory's final turn.
+(``rollout/multiturn.py``) and the rewards score each trajectory's final turn; with an ``AgentEnvironment`` the
+user's agents run their own loops against the run's gateway (``agents/rollout.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 
 import torch
 
+from grpo_lightning.agents.environment import AgentEnvironment
+from grpo_lightning.agents.rollout import sample_and_score_agents
 from grpo_lightning.engines.base import RolloutEngine, SamplingParams
 from grpo_lightning.environments.base import Environment
 from grpo_lightning.rewards.scorer import Scorer
@@ -21,6 +24,8 @@ from grpo_lightning.rewards.step_ends import step_token_ends
 from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.rollout.multiturn import generate_trajectories
 from grpo_lightning.rollout.prompts import PromptEncoder
+from grpo_lightning.vision.engines import check_vision_run
+from grpo_lightning.vision.inputs import repeat_rows
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +67,20 @@ def sample_and_score(
     ``timings``, when given, accumulates the seconds spent in ``generate`` and ``score`` (and ``environment``,
     the part of generating spent in the environment's steps, with an ``environment``).
     """
+    check_vision_run(encoder.tokenizer, engine, environment)  # a vision-language model's: what it can use yet
+    if isinstance(environment, AgentEnvironment):  # the user's agent runs its own loop (agents/rollout.py)
+        return sample_and_score_agents(
+            rows, agent=environment, engine=engine, encoder=encoder, scorer=scorer, params=params,
+            generator=generator, device=device, timings=timings,
+        )  # fmt: skip
     group_size = 1 if params.greedy else params.group_size
     start = time.perf_counter()
-    trajectories = None
+    trajectories = vision = None  # vision: each prompt's image inputs, from a vision-language model's encoder
     if environment is None:
-        prompt_ids, prompt_mask = encoder.encode(rows["prompt"], device)
+        prompt_ids, prompt_mask, vision = encoder.encode_rows(rows, device)
+        images = {} if vision is None else {"vision": vision}
         completions = engine.generate(
-            prompt_ids, prompt_mask, params, generator=generator, return_logprobs=return_logprobs
+            prompt_ids, prompt_mask, params, generator=generator, return_logprobs=return_logprobs, **images
         )
         texts = encoder.decode(completions.completion_ids, completions.completion_mask)
         policy_lengths = completions.completion_mask.sum(-1).tolist()
@@ -120,6 +132,8 @@ def sample_and_score(
         temperature=params.temperature,
         max_new_tokens=params.max_new_tokens,
     )
+    if vision is not None:
+        batch.vision = repeat_rows(vision, group_size)
     batch.unscorable = torch.tensor(scores.unscorable or [False] * len(texts), device=batch.rewards.device)
     batch.reward_log = dict(scores.metrics)
     batch.extra_columns = logged_columns(scores.extra_columns, len(texts))

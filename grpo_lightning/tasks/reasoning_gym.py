@@ -21,6 +21,10 @@ from the easiest value up to that level's, as reasoning-gym's own curricula make
 then draws from all of them, moving off the prompts it finds always (or never) solved. Some curricula's top levels
 ask reasoning-gym 0.1.25 for settings it refuses (a one-line error naming the level) or makes slowly: ``levels``
 picks the others. ``python -m grpo_lightning.tasks.reasoning_gym`` lists the tasks and their levels.
+
+In a mixture each task takes its own ``levels`` (``datasets: [{name, weight, config, levels}]``), or all of its
+levels under ``data.curriculum``: a row's task is drawn by weight as reasoning-gym's composite draws it, then one of
+that task's levels (:class:`LeveledMixture`); a task without a curriculum keeps its own settings (level None).
 """
 
 from __future__ import annotations
@@ -30,22 +34,27 @@ import difflib
 import functools
 import json
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from grpo_lightning.config import ConfigError
 from grpo_lightning.rewards.reasoning_gym import encode, make_dataset, require
+from grpo_lightning.tasks.reasoning_gym_levels import (
+    LEVEL_SEED_STRIDE,
+    LIST_COMMAND,
+    PREFIX,
+    SEED_LIMIT,
+    LeveledMixture,
+    level_count,
+    refused_as_config_error,
+    task_levels,
+)
 
 if TYPE_CHECKING:  # datasets is imported when a task is built
     from datasets import DatasetDict
 
 log = logging.getLogger(__name__)
 
-PREFIX = "reasoning_gym:"
-LIST_COMMAND = "python -m grpo_lightning.tasks.reasoning_gym"
 TEST_SEED_OFFSET = 2**31  # held-out rows: seeds far from the training ones, whose items are Random(seed + index)
-LEVEL_SEED_STRIDE = 100_003  # each level's rows from a seed of its own
-_SEEDS = 2**32  # reasoning-gym's tasks seed numpy too, which takes seeds below 2**32
 _OURS = ("size", "seed", "test_size", "template", "levels")
 
 
@@ -55,29 +64,6 @@ def task_names() -> list[str]:
     from reasoning_gym.factory import DATASETS
 
     return sorted(DATASETS)
-
-
-def level_count(task: str) -> int | None:
-    """How many difficulty levels ``task``'s reasoning-gym curriculum has (its longest attribute); None: none."""
-    from reasoning_gym.factory import create_curriculum, has_curriculum
-
-    if not has_curriculum(task):
-        return None
-    return max((len(attr.levels) for attr in create_curriculum(task).attributes.values()), default=1)
-
-
-def level_fields(task: str) -> set[str]:
-    """The config keys ``task``'s curriculum sets at each level."""
-    from reasoning_gym.factory import create_curriculum
-
-    fields: set[str] = set()
-    for attr in create_curriculum(task).attributes.values():
-        fields.update(
-            getattr(attr, name)
-            for name in ("field_name", "lower_field_name", "upper_field_name")
-            if hasattr(attr, name)
-        )
-    return fields
 
 
 def load(
@@ -116,7 +102,14 @@ def load(
         key = json.dumps(settings, sort_keys=True)
     except TypeError as err:
         raise ConfigError(f"data.task_kwargs of {PREFIX}{task}: settings must be plain YAML values ({err})") from None
-    chosen = _levels(task, settings, curriculum, levels)
+    if task == "composite":
+        if levels is not None:
+            raise ConfigError(
+                f"data.task_kwargs.levels: {PREFIX}composite takes levels per task (datasets[i].levels); move it there"
+            )
+        key = json.dumps(_mixture_levels(settings, curriculum), sort_keys=True)
+        return _build(task, key, None, size, seed, test_size, template)
+    chosen = task_levels(task, settings, curriculum, levels)
     return _build(task, key, tuple(chosen) if chosen is not None else None, size, seed, test_size, template)
 
 
@@ -129,6 +122,7 @@ def _build(
     settings = json.loads(key)
     configs = _check_settings(task, settings)  # each task that makes rows: its settings (for its checker)
     parts: list[int | None] = list(levels) if levels is not None else [None]
+    leveled = levels is not None or _is_leveled_mixture(task, settings)
 
     def rows(entries: Any, count: int, level: int | None, seen: set[str] | None = None) -> list[dict[str, Any]]:
         """``count`` rows of ``entries``; with ``seen``, only questions not in it (which it then takes in)."""
@@ -136,13 +130,13 @@ def _build(
         for index in range(len(entries)):
             if len(made) == count:
                 break
-            entry = _item(task, entries, index, level)
+            entry, at = _item(task, entries, index, level)
             prompt = template.format(question=entry["question"])
             if seen is not None:
                 if prompt in seen:  # a training question (or an earlier held-out one): not held out
                     continue
                 seen.add(prompt)
-            made.append(_row(task, entry, prompt, configs, level))
+            made.append(_row(task, entry, prompt, configs, at, leveled))
         return made
 
     train: list[dict[str, Any]] = []
@@ -173,9 +167,14 @@ def _share(total: int, parts: int, k: int) -> int:
     return total // parts + (k < total % parts)
 
 
-def _item(task: str, entries: Any, index: int, level: int | None) -> dict[str, Any]:
+def _item(task: str, entries: Any, index: int, level: int | None) -> tuple[dict[str, Any], int | None]:
+    """Item ``index`` of ``entries`` and its level (a leveled mixture's own, else ``level``)."""
     try:
-        return entries[index]
+        if isinstance(entries, LeveledMixture):
+            return entries.item(index)
+        return entries[index], level
+    except ConfigError:
+        raise
     except Exception as err:  # reasoning-gym could not make an item with these settings (some curricula's top levels)
         at = f" at level {level}" if level is not None else ""
         fix = "choose other data.task_kwargs.levels" if level is not None else "change data.task_kwargs"
@@ -186,7 +185,9 @@ def _item(task: str, entries: Any, index: int, level: int | None) -> dict[str, A
         ) from None
 
 
-def _row(task: str, entry: dict[str, Any], prompt: str, configs: dict[str, str], level: int | None) -> dict[str, Any]:
+def _row(
+    task: str, entry: dict[str, Any], prompt: str, configs: dict[str, str], level: int | None, leveled: bool
+) -> dict[str, Any]:
     made_by = entry["metadata"].get("source_dataset", task)
     try:
         metadata = encode(entry["metadata"])
@@ -194,7 +195,7 @@ def _row(task: str, entry: dict[str, Any], prompt: str, configs: dict[str, str],
         raise ConfigError(f"data.dataset: {PREFIX}{made_by}'s rows cannot be stored as columns ({err})") from None
     row = {"prompt": prompt, "answer": entry["answer"], "task": made_by, "metadata": metadata}
     row["task_config"] = configs[made_by]
-    if level is not None:
+    if leveled:  # every row has the key (None: a mixture's task without levels), so the column is kept
         row["level"] = level
     return row
 
@@ -202,13 +203,16 @@ def _row(task: str, entry: dict[str, Any], prompt: str, configs: dict[str, str],
 def _entries(task: str, settings: dict[str, Any], size: int, seed: int, level: int | None) -> Any:
     """The reasoning-gym dataset (items made on demand) of ``size`` items from ``seed``; a refused setting is a
     one-line ``ConfigError``."""
-    seed %= _SEEDS
+    seed %= SEED_LIMIT
     if task != "composite":
         where = f"data.task_kwargs of {PREFIX}{task}" + (f" at level {level}" if level is not None else "")
         fix = "" if level is None else f"; choose other data.task_kwargs.levels ({LIST_COMMAND} lists them)"
-        return _refused_as_config_error(
+        return refused_as_config_error(
             where, lambda: make_dataset(task, {**settings, "size": size, "seed": seed}, level), fix
         )
+
+    if _is_leveled_mixture(task, settings):
+        return LeveledMixture(settings["datasets"], size, seed)
 
     def composite() -> Any:
         from reasoning_gym.composite import CompositeConfig, CompositeDataset, DatasetSpec
@@ -221,15 +225,7 @@ def _entries(task: str, settings: dict[str, Any], size: int, seed: int, level: i
         config.validate()
         return CompositeDataset(config)
 
-    return _refused_as_config_error("data.task_kwargs.datasets", composite)
-
-
-def _refused_as_config_error(where: str, make: Callable[[], Any], fix: str = "") -> Any:
-    try:
-        return make()
-    except (AssertionError, ValueError, TypeError, KeyError) as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"{where}: reasoning-gym refuses these settings: {reason}{fix}") from None
+    return refused_as_config_error("data.task_kwargs.datasets", composite)
 
 
 def _check_settings(task: str, settings: dict[str, Any]) -> dict[str, str]:
@@ -244,14 +240,14 @@ def _check_settings(task: str, settings: dict[str, Any]) -> dict[str, str]:
     specs = settings.get("datasets")
     if extra or not isinstance(specs, list) or not specs:
         raise ConfigError(
-            f"data.task_kwargs of {PREFIX}composite takes datasets: [{{name, weight, config}}, ...], size, seed, "
-            f"test_size and template (got {', '.join(extra) or 'no datasets list'})"
+            f"data.task_kwargs of {PREFIX}composite takes datasets: [{{name, weight, config, levels}}, ...], size, "
+            f"seed, test_size and template (got {', '.join(extra) or 'no datasets list'})"
         )
     configs: dict[str, str] = {}
     for i, spec in enumerate(specs):
         where = f"data.task_kwargs.datasets[{i}]"
-        if not isinstance(spec, dict) or set(spec) - {"name", "weight", "config"} or "name" not in spec:
-            raise ConfigError(f"{where} must be {{name, weight, config}} (got {spec!r})")
+        if not isinstance(spec, dict) or set(spec) - {"name", "weight", "config", "levels"} or "name" not in spec:
+            raise ConfigError(f"{where} must be {{name, weight, config, levels}} (got {spec!r})")
         name, weight, config = spec["name"], spec.get("weight", 1.0), spec.get("config") or {}
         if name not in DATASETS or name == "composite":
             raise ConfigError(f"{where}.name: {name!r} is not a reasoning-gym task; list them: {LIST_COMMAND}")
@@ -277,38 +273,19 @@ def _known_keys(task: str, settings: dict[str, Any], where: str, *, ours: bool) 
             raise ConfigError(f"{where}: {task} has no setting {key!r}; its settings: {listed}{also}")
 
 
-def _levels(task: str, settings: dict[str, Any], curriculum: bool, levels: Any) -> list[int] | None:
-    """The levels the rows span: ``levels``, else every level under ``curriculum``; None: no levels (no ``level``
-    column)."""
-    if levels is None and not curriculum:
-        return None
-    count = None if task == "composite" else level_count(task)
-    if count is None:
-        if levels is not None:
-            raise ConfigError(
-                f"data.task_kwargs.levels: {PREFIX}{task} has no reasoning-gym curriculum (no difficulty levels); "
-                "remove levels"
-            )
-        log.warning(
-            "data.curriculum: %s%s has no reasoning-gym curriculum (no difficulty levels); the pass-rate curriculum "
-            "re-weights its prompts only",
-            *(PREFIX, task),
-        )
-        return None
-    if levels is not None:
-        valid = isinstance(levels, list) and levels and len(set(levels)) == len(levels)
-        if not valid or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < count for v in levels):
-            raise ConfigError(
-                f"data.task_kwargs.levels must be a list of distinct level numbers from 0 to {count - 1} "
-                f"({PREFIX}{task} has {count}; got {levels!r})"
-            )
-    fixed = sorted(set(settings) & level_fields(task))
-    if fixed:
-        raise ConfigError(
-            f"data.task_kwargs.{fixed[0]}: {PREFIX}{task}'s curriculum sets it at each difficulty level (levels, "
-            "data.curriculum); remove it, or remove levels and unset data.curriculum"
-        )
-    return sorted(levels) if levels is not None else list(range(count))
+def _mixture_levels(settings: dict[str, Any], curriculum: bool) -> dict[str, Any]:
+    """A composite's settings with each task's levels resolved (``datasets[i].levels``: a list, or None)."""
+    _check_settings("composite", settings)  # the specs' shape first: their levels are read below
+    specs = []
+    for i, spec in enumerate(settings["datasets"]):
+        config = spec.get("config") or {}
+        chosen = task_levels(spec["name"], config, curriculum, spec.get("levels"), f"data.task_kwargs.datasets[{i}]")
+        specs.append({**spec, "levels": chosen})
+    return {**settings, "datasets": specs}
+
+
+def _is_leveled_mixture(task: str, settings: dict[str, Any]) -> bool:
+    return task == "composite" and any(spec.get("levels") for spec in settings["datasets"])
 
 
 def _main() -> None:

@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
 TINY_ARITH = ROOT / "grpo_lightning" / "assets" / "tiny-arith"
 TINY_CALC = ROOT / "grpo_lightning" / "assets" / "tiny-calc"
+TINY_BASIC_ARITHMETIC = ROOT / "grpo_lightning" / "assets" / "tiny-basic-arithmetic"
 GSM8K_SAMPLE = ROOT / "tests" / "data" / "gsm8k_sample.jsonl"
 SHIPPED = sorted(
     p.relative_to(CONFIGS).as_posix()
@@ -152,9 +153,30 @@ def stage4(runs: Path) -> None:
     save_tiny_reward_model(runs / "reward_model")
 
 
+def stage5(runs: Path) -> None:
+    """The student (stage 5a's folder) and its teacher (stage 4's), both stood in by the quickstart's model."""
+    earlier_stage_model(runs / "5_student_cold_start" / "hf")
+    earlier_stage_model(runs / "4_mixed_rl" / "hf")
+
+
+def distillation(work: Path) -> tuple[type, list[str]]:
+    """The distillation demo: its student by absolute path, the teacher folder it names (the quickstart's export,
+    ``runs/quickstart/hf``) stood in by the quickstart's model."""
+    earlier_stage_model(work / "runs" / "quickstart" / "hf")
+    args = ["--config", str(CONFIGS / "distillation.yaml"), "--model.model_name_or_path", str(TINY_ARITH)]
+    return GRPOCLI, [*args, *SMALL_ROUND]
+
+
 def tools_calculator(work: Path) -> tuple[type, list[str]]:
     """The multi-turn calculator demo: its own model by absolute path, one small round of tool-calling rollouts."""
     args = ["--config", str(CONFIGS / "tools_calculator.yaml"), "--model.model_name_or_path", str(TINY_CALC)]
+    return GRPOCLI, [*args, *SMALL_ROUND]
+
+
+def reasoning_gym_demo(work: Path) -> tuple[type, list[str]]:
+    """The reasoning-gym demo: its own model by absolute path, one small round (reasoning-gym is an extra)."""
+    pytest.importorskip("reasoning_gym", reason="configs/reasoning_gym.yaml needs the reasoning-gym extra")
+    args = ["--config", str(CONFIGS / "reasoning_gym.yaml"), "--model.model_name_or_path", str(TINY_BASIC_ARITHMETIC)]
     return GRPOCLI, [*args, *SMALL_ROUND]
 
 
@@ -190,6 +212,7 @@ RUNS = {
     "gsm8k_qwen2.5-0.5b.yaml": gsm8k_with(),
     "lora.yaml": gsm8k_with("lora.yaml"),
     "tools_calculator.yaml": tools_calculator,
+    "reasoning_gym.yaml": reasoning_gym_demo,
     # Stage 1 starts from the shipped model, passed by run_pipeline.sh as BASE.
     "pipeline/1_cold_start_sft.yaml": pipeline_stage(
         "1_cold_start_sft", SFTCLI, stage1, "--model.model_name_or_path", str(TINY_ARITH), *SFT_SMALL
@@ -199,6 +222,11 @@ RUNS = {
         "3_rejection_sft", SFTCLI, stage3, *SFT_SMALL, "--trainer.check_val_every_n_epoch", "1"
     ),
     "pipeline/4_mixed_rl.yaml": pipeline_stage("4_mixed_rl", GRPOCLI, stage4, *SMALL_ROUND),
+    "pipeline/5_student_cold_start.yaml": pipeline_stage(
+        "5_student_cold_start", SFTCLI, stage1, *SFT_SMALL, "--trainer.check_val_every_n_epoch", "1"
+    ),
+    "pipeline/5_distill.yaml": pipeline_stage("5_distill", GRPOCLI, stage5, *SMALL_ROUND),
+    "distillation.yaml": distillation,
 }
 
 

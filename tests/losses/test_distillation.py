@@ -83,7 +83,12 @@ def test_a_teacher_with_another_vocabulary_or_bad_settings_is_refused_in_one_lin
     with pytest.raises(ConfigError, match=r"^model.teacher 'other' has another vocabulary than the student") as err:
         check_same_vocabulary(student, other, "other")
     assert "\n" not in str(err.value)
-    for bad, message in (({"weight": 0.0}, "weight must be > 0"), ({"dtype": "int8"}, "dtype must be auto")):
+    for bad, message in (
+        ({"weight": 0.0}, "weight must be > 0"),
+        ({"dtype": "int8"}, "dtype must be auto"),
+        ({"temperature": 0.0}, r"^model.teacher.temperature must be > 0 or null \(got 0.0\)$"),
+        ({"temperature": -1.0}, "temperature must be > 0"),
+    ):
         with pytest.raises(ConfigError, match=message):
             TeacherConfig("folder", **bad)
 
@@ -156,3 +161,31 @@ def test_no_rewards_with_a_teacher_is_the_teacher_alone_and_without_one_is_refus
     rollout = taught.last_rollout
     assert taught.scorer.names == [] and not any(name.startswith("reward/") for name in rollout.metrics)
     assert rollout.advantages[rollout.loss_mask.bool()].abs().min() > 0  # the teacher's signal alone
+
+
+@pytest.mark.parametrize("teacher_temperature", [None, 0.5])
+def test_the_teacher_scores_at_its_own_temperature_the_student_at_the_sampling_one(
+    tmp_path, teacher_dir, teacher_temperature
+):
+    """``model.teacher.temperature`` (τ_T) divides the teacher's logits (unset: by the sampling temperature, 0.8
+    here); the advantage is its log-prob minus π_S's as recorded (at the sampling temperature)."""
+    from grpo_lightning.models.logprobs import completion_logprobs
+
+    teacher = TeacherConfig(teacher_dir, temperature=teacher_temperature)
+    module = GRPOModule(tiny_model=TINY, objective=ObjectiveConfig(beta=0.0), teacher=teacher)
+    data = RolloutDataModule(
+        rewards=[RewardSpec("exact_answer", weight=0.0)],
+        sampling=SamplingConfig(group_size=2, max_new_tokens=4, temperature=0.8),
+        prompts_per_round=2,
+        val_split=None,
+    )
+    quiet_trainer(tmp_path, max_epochs=1).fit(module, datamodule=data)
+    rollout = data.last_rollout
+    args = (rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask)
+    expected_temperature = 0.8 if teacher_temperature is None else teacher_temperature
+    with torch.no_grad():
+        scored = completion_logprobs(module.teacher.model, *args, temperature=expected_temperature)[0]
+        other = completion_logprobs(module.teacher.model, *args, temperature=1.3 - expected_temperature)[0]
+    tokens = rollout.loss_mask.bool()
+    assert torch.allclose(rollout.advantages, (scored - rollout.old_logprobs) * rollout.loss_mask, atol=1e-5)
+    assert (other - scored)[tokens].abs().max() > 1e-2  # the temperature changes the teacher's log-probs

@@ -150,6 +150,21 @@ def test_a_temperature_the_server_cannot_follow_is_refused_before_training(tmp_p
     with pytest.raises(ConfigError, match=r"^model.teacher.url: a served teacher gives temperature-1") as err:
         distil(tmp_path, TeacherConfig(url=stand_in.url), temperature=0.7)
     assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"^model.teacher.url: .* the teacher's temperature is 0.5"):
+        distil(tmp_path, TeacherConfig(url=stand_in.url, temperature=0.5))  # τ_T itself must be 1
+
+
+def test_teacher_temperature_1_lets_a_served_teacher_teach_a_student_sampling_at_another(
+    tmp_path, teacher_dir, stand_in
+):
+    """``model.teacher.temperature: 1.0``: the teacher's raw log-probs, which the server gives, at any sampling
+    temperature; the same advantages as the local teacher at τ_T = 1."""
+    _, local = distil(tmp_path / "local", TeacherConfig(teacher_dir, temperature=1.0), temperature=0.7)
+    _, served = distil(tmp_path / "served", TeacherConfig(url=stand_in.url, temperature=1.0), temperature=0.7)
+    a, b = local.last_rollout, served.last_rollout
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.allclose(a.advantages, b.advantages, atol=1e-5)
+    assert b.advantages[b.loss_mask.bool()].abs().min() > 0
 
 
 def test_a_served_teacher_with_another_vocabulary_is_refused_before_training(tmp_path, teacher_dir):

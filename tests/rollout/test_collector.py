@@ -174,3 +174,15 @@ def test_old_policy_sync_is_a_deprecated_no_op(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         quiet_trainer(tmp_path, max_epochs=1, callbacks=[callback]).fit(module, datamodule=data)
     assert data.engine.events[:2] == [("push", 0), ("generate", 0)]  # the round pushed: the callback did nothing
+
+
+def test_a_stop_iteration_inside_a_round_stops_the_run_instead_of_ending_the_epoch_silently(tmp_path, monkeypatch):
+    from grpo_lightning.rollout import collector
+
+    def broken(*args, **kwargs):
+        raise StopIteration("from inside a rollout step")
+
+    monkeypatch.setattr(collector, "sample_round", broken)
+    data = RolloutDataModule(sampling=SamplingConfig(group_size=2, max_new_tokens=4), prompts_per_round=2)
+    with pytest.raises(RuntimeError, match="the round raised StopIteration"):
+        quiet_trainer(tmp_path, max_epochs=1).fit(GRPOModule(tiny_model=TINY), datamodule=data)

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from grpo_lightning.config import ConfigError
-from grpo_lightning.rewards import RewardError, RewardSpec
+from grpo_lightning.rewards import RewardError, RewardSpec, register
 from grpo_lightning.rewards.reasoning_gym import decode, encode, extract_answer
 from grpo_lightning.tasks import load_task
 
@@ -293,6 +293,129 @@ def test_a_run_with_a_curriculum_gets_rows_of_every_level():
     assert sorted(set(rows["level"])) == sorted(set(held["level"])) == [0, 1, 2, 3, 4]
     assert not set(held["prompt"]) & set(rows["prompt"])
     assert "level" not in RolloutDataModule(**settings).sources.training_rows().column_names
+
+
+@needs_rg
+def test_each_task_of_a_mixture_takes_its_own_levels():
+    import reasoning_gym
+
+    from grpo_lightning.rewards.reasoning_gym import curriculum_context
+
+    datasets = [
+        {"name": "basic_arithmetic", "weight": 2, "levels": [3, 0]},
+        {"name": "spell_backward", "weight": 1},
+        {"name": "list_functions", "weight": 1},  # no reasoning-gym curriculum: its own settings, level None
+    ]
+    data = load_task("reasoning_gym:composite", datasets=datasets, size=80, test_size=20, seed=5)
+    train = data["train"]
+    made = Counter(zip(train["task"], train["level"]))
+    assert set(made) == {("basic_arithmetic", 0), ("basic_arithmetic", 3), ("spell_backward", None)} | {
+        ("list_functions", None)
+    }
+    for level in (0, 3):  # each row within its level's settings, as the task's curriculum makes them
+        curriculum = reasoning_gym.factory.create_curriculum("basic_arithmetic")
+        curriculum.set_global_level(level)
+        config = curriculum.generate_configuration({}, curriculum_context())
+        sizes = [decode(m) for t, k, m in zip(train["task"], train["level"], train["metadata"]) if k == level]
+        assert all(s["num_terms"] <= config.max_terms and s["num_digits"] <= config.max_digits for s in sizes)
+        if level == 0:
+            assert {(s["num_terms"], s["num_digits"]) for s in sizes} == {(2, 1)}  # the easiest only
+    assert max(decode(m)["num_terms"] for k, m in zip(train["level"], train["metadata"]) if k == 3) >= 4
+    configs = {c for t, c in zip(train["task"], train["task_config"]) if t == "basic_arithmetic"}
+    assert configs == {"{}"}  # the task's own settings; its levels are the level column
+    for rows in (train, data["test"]):  # each row scored by its own task's checker at its own level
+        assert score(rows, tagged(rows["answer"])) == [1.0] * len(rows)
+    assert not set(data["test"]["prompt"]) & set(train["prompt"])
+    assert {level for t, level in zip(data["test"]["task"], data["test"]["level"]) if t == "basic_arithmetic"} == {0, 3}
+
+    under_curriculum = load_task("reasoning_gym:composite", curriculum=True, datasets=datasets, size=80, seed=5)
+    levels = Counter(zip(under_curriculum["train"]["task"], under_curriculum["train"]["level"]))
+    assert {k for t, k in levels if t == "spell_backward"} == {0, 1, 2, 3, 4}  # every level of the task's curriculum
+    assert {k for t, k in levels if t == "basic_arithmetic"} == {0, 3}  # its own levels still
+    assert {k for t, k in levels if t == "list_functions"} == {None}
+    plain = load_task("reasoning_gym:composite", datasets=[datasets[1]], size=4, test_size=2)["train"]
+    assert "level" not in plain.column_names  # no levels asked for: reasoning-gym's composite, as before
+
+
+@needs_rg
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({0: {"levels": [5]}}, r"datasets\[0\]\.levels must be a list of distinct level numbers from 0 to 4"),
+        ({1: {"levels": [0]}}, r"datasets\[1\]\.levels: reasoning_gym:list_functions has no reasoning-gym curriculum"),
+        ({0: {"config": {"max_terms": 3}}}, r"datasets\[0\]\.config\.max_terms: .*curriculum sets it"),
+        ({0: {"levels": [0], "size": 3}}, r"datasets\[0\] must be \{name, weight, config, levels\}"),
+    ],
+)
+def test_bad_levels_of_a_mixtures_task_are_refused_in_one_line_naming_the_key(change, match):
+    datasets = [{"name": "basic_arithmetic", "weight": 1, "levels": [0]}, {"name": "list_functions", "weight": 1}]
+    for i, update in change.items():
+        datasets[i] = {**datasets[i], **update}
+    with pytest.raises(ConfigError, match=match) as err:
+        load_task("reasoning_gym:composite", datasets=datasets, size=4, test_size=2)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"takes levels per task \(datasets\[i\]\.levels\)"):
+        load_task("reasoning_gym:composite", datasets=datasets[1:], levels=[0], size=4, test_size=2)
+
+
+DRAWN: list[list[tuple[str, int]]] = []  # each round's (task, level) per completion, as the reward below sees them
+
+
+@register("test_reasoning_gym_by_level")
+def solved_by_level(prompts, completions, task, level, **_):
+    """Level 0 always solved, level 1 half the time (each group alternates): the pass rates of an easy level and of
+    a level being learnt."""
+    DRAWN.append(list(zip(task, level)))
+    return [1.0 if k == 0 else float(i % 2) for i, k in enumerate(level)]
+
+
+@needs_rg
+@pytest.mark.parametrize(
+    "dataset,task_kwargs",
+    [
+        ("reasoning_gym:basic_arithmetic", {"levels": [0, 1]}),
+        (
+            "reasoning_gym:composite",
+            {"datasets": [{"name": n, "weight": 1, "levels": [0, 1]} for n in ("basic_arithmetic", "spell_backward")]},
+        ),
+    ],
+)
+def test_the_curriculum_moves_on_to_the_harder_level_once_the_easy_one_is_solved(tmp_path, dataset, task_kwargs):
+    """End to end (rows with levels, rollouts, reward, the pass-rate curriculum): the easy level's prompts, always
+    solved, drop to other_weight, so the draw moves on to the harder level, of one task or of each in a mixture."""
+    from grpo_lightning.cli import GRPOCLI
+    from grpo_lightning.rollout.curriculum import PREFERRED, TOO_EASY
+
+    config = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "max_epochs": 10, "logger": False, "enable_checkpointing": False},
+        "model": {"tiny_model": {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "intermediate_size": 32}},
+        "data": {
+            "dataset": dataset,
+            "task_kwargs": {**task_kwargs, "size": 16, "test_size": 2, "seed": 1},
+            "rewards": [{"name": "test_reasoning_gym_by_level"}],
+            "sampling": {"group_size": 2, "max_new_tokens": 2},
+            "prompts_per_round": 4,
+            "val_split": None,
+            "curriculum": {"min_pass_rate": 0.1, "max_pass_rate": 0.9, "history": 0.0},
+        },
+    }
+    path = tmp_path / "curriculum.yaml"
+    path.write_text(yaml.safe_dump(config))
+    DRAWN.clear()
+    cli = GRPOCLI(args=["fit", "--config", str(path), "--trainer.default_root_dir", str(tmp_path)])
+    sampler, rows = cli.datamodule.curriculum, cli.datamodule.train_data
+    assert len(DRAWN) == 10 and sorted(set(rows["level"])) == [0, 1]
+    category = sampler.categories().tolist()
+    for k, level in enumerate(rows["level"]):  # every prompt drawn: rated by its level's pass rate
+        assert category[k] in ({TOO_EASY} if level == 0 else {PREFERRED}) or sampler.pass_rates[k].isnan()
+    weights = sampler.weights()
+    hard = sum(w for w, level in zip(weights.tolist(), rows["level"]) if level == 1)
+    assert hard / weights.sum().item() > 0.8  # the next draws: mostly the harder level
+    late = [drawn for round_drawn in DRAWN[-4:] for drawn in round_drawn[::2]]  # the last rounds' prompts
+    assert sum(level for _, level in late) / len(late) >= 0.75  # a uniform draw would give about half
+    if dataset.endswith("composite"):  # each task's harder level among them
+        assert {name for name, level in late if level == 1} == {"basic_arithmetic", "spell_backward"}
 
 
 # ------------------------------------------------------------------------------------------------- a short run

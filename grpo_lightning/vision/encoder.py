@@ -1,0 +1,125 @@
+"""Prompts with images to token ids and per-row image inputs, through the model's processor.
+
+``VisionPromptEncoder`` is the ``PromptEncoder`` of a vision-language model: a prompt's messages may hold
+``{"type": "text", "text"}`` and ``{"type": "image"}`` parts; the processor's chat template renders them, and the
+processor, run on one prompt and its images at a time, expands each image marker into the image's tokens and
+makes the image's inputs (``vision/inputs.py``). The ids are then left-padded together, as the text path pads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from grpo_lightning.config import ConfigError
+from grpo_lightning.rollout.prompts import PromptEncoder, is_conversation, prompt_problem
+from grpo_lightning.vision.images import check_image_rows, images_of_rows
+from grpo_lightning.vision.inputs import VisionRow, row_inputs
+
+_PART_TYPES = ("text", "image")
+
+
+def _clean(value: Any) -> Any:
+    # A dataset column of messages (or of content parts) is a list of structs: every item has every key any item
+    # has, None where it had none; templates test ``part.text is defined``.
+    if isinstance(value, Mapping):
+        return {key: _clean(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_clean(item) for item in value]
+    return value
+
+
+def parts_problem(prompt: Any) -> str | None:
+    """Why ``prompt`` is not a prompt of text and image parts (or a plain one), or None."""
+    if not is_conversation(prompt):
+        return prompt_problem(prompt)
+    plain = []
+    for i, message in enumerate(prompt):
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if kind not in _PART_TYPES or (kind == "text" and not isinstance(part.get("text"), str)):
+                    return (
+                        f"message {i} of the prompt has a content part {part!r}: a part is {{type: text, text}} or "
+                        "{type: image}"
+                    )
+            message = {**message, "content": ""}
+        plain.append(message)
+    return prompt_problem(plain)
+
+
+class VisionPromptEncoder(PromptEncoder):
+    """A ``PromptEncoder`` for a vision-language model: prompts with image parts, encoded with their images."""
+
+    def __init__(self, tokenizer: Any, processor: Any, use_chat_template: bool | str | None = "auto", **kwargs: Any):
+        """``processor``: the model's (``vision/processors.py: load_processor``); ``tokenizer`` its tokenizer. The
+        chat settings are ``PromptEncoder``'s; the processor's chat template renders the prompts."""
+        if use_chat_template in (None, "auto") and getattr(processor, "chat_template", None):
+            use_chat_template = True
+        if use_chat_template is True and not getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = processor.chat_template  # the check below reads the tokenizer's
+        super().__init__(tokenizer, use_chat_template, **kwargs)
+        if not self.use_chat_template:
+            raise ConfigError(
+                "data.use_chat_template: a vision-language model's prompts are rendered with its processor's chat "
+                "template (it places the images); set it to auto or true"
+            )
+        self.processor = processor
+
+    def prompt_problem(self, prompt: Any) -> str | None:
+        return parts_problem(prompt)
+
+    def messages(self, prompt: Any) -> list[dict[str, Any]]:
+        return _clean(super().messages(prompt))
+
+    def render(self, prompt: Any, tools: list[dict[str, Any]] | None = None) -> str:
+        """The text the processor is given for one prompt: its chat template applied, an image marker per image."""
+        if tools:
+            raise ConfigError("data.environment with a vision-language model is not supported yet (docs/vision.md)")
+        messages = self.messages(prompt)
+        prefilled = messages[-1]["role"] == "assistant"
+        renderer = self.processor if getattr(self.processor, "chat_template", None) else self.tokenizer
+        return renderer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=not prefilled,
+            continue_final_message=prefilled,
+            **self.chat_template_kwargs,
+        )
+
+    def check_rows(self, data: Any, where: str) -> None:
+        """The prompts (``PromptEncoder.check_rows``) and their images (``vision/images.py: check_image_rows``)."""
+        super().check_rows(data, where)
+        check_image_rows(data, where)
+
+    def encode_rows(
+        self, rows: Mapping[str, list[Any]], device: torch.device | str = "cpu"
+    ) -> tuple[Tensor, Tensor, list[VisionRow]]:
+        """``(input_ids, attention_mask)`` ``[B, P]`` left-padded, image tokens expanded, and each row's image
+        inputs (on the CPU; empty for a text-only row)."""
+        ids, vision = [], []
+        for text, images in zip(self.texts(list(rows["prompt"])), images_of_rows(rows)):
+            output = self.processor(
+                text=[text],
+                images=[images] if images else None,
+                return_tensors="pt",
+                add_special_tokens=not self.use_chat_template,
+            )
+            ids.append(output["input_ids"][0])
+            vision.append(row_inputs(output))
+        width = max(len(row) for row in ids)
+        prompt_ids = torch.full((len(ids), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        prompt_mask = torch.zeros((len(ids), width), dtype=torch.long)
+        for i, row in enumerate(ids):
+            prompt_ids[i, width - len(row) :] = row
+            prompt_mask[i, width - len(row) :] = 1
+        return prompt_ids.to(device), prompt_mask.to(device), vision
+
+    def encode(self, prompts: list[Any], device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+        """Prompts without images (``encode_rows`` encodes a round's, with theirs)."""
+        prompt_ids, prompt_mask, _ = self.encode_rows({"prompt": prompts}, device)
+        return prompt_ids, prompt_mask

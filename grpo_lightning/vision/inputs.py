@@ -1,0 +1,163 @@
+"""Per-row image inputs: each prompt's processor outputs beyond its token ids, kept apart and joined per forward.
+
+The processor is run on one prompt at a time (``vision/encoder.py``), so what it returns besides the ids belongs
+to that prompt alone: ``pixel_values`` and ``image_grid_thw`` (Qwen2-VL: one row per patch, one grid per image),
+``pixel_values`` (LLaVA: one row per image), ``pixel_values`` and ``pixel_attention_mask`` (Idefics3 / SmolVLM:
+``[1, tiles, ...]``), ``image_sizes``, ... A rollout keeps one such dict per row (``RolloutBatch.vision``), selects
+and repeats them with the rows, and every forward (generation, π_old, π_ref, the update) joins those of its own
+rows (``forward_inputs``). A row's inputs never depend on which rows share its micro-batch, so neither do its
+log-probs.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from grpo_lightning.models.lean import mask_positions
+
+log = logging.getLogger(__name__)
+
+VisionRow = dict[str, Tensor]
+"""One prompt's image inputs (empty for a text-only prompt), on the CPU until a forward joins them."""
+
+# The processor's outputs that are the text's own (made again from the joined ids, or not model inputs).
+TEXT_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+
+
+@functools.cache
+def packing_off(pack_tokens: int | str) -> None:
+    """Say once (per process and setting) that ``data.pack_tokens`` does not pack a vision-language model's rows:
+    its forward places each row's image features by the row's placeholders, which a packed bin would mix."""
+    log.warning("data.pack_tokens: %s is off for a vision-language model: its rows run padded", pack_tokens)
+
+
+def row_inputs(output: Mapping[str, Any]) -> VisionRow:
+    """The image inputs of a one-prompt processor ``output`` (a copy, on the CPU)."""
+    return {
+        name: value.detach().to("cpu").clone()
+        for name, value in output.items()
+        if isinstance(value, Tensor) and name not in TEXT_KEYS
+    }
+
+
+def _per_prompt(name: str, value: Tensor) -> bool:
+    """Whether ``value`` is laid out ``[prompts, images or tiles, ...]`` (Idefics3 / SmolVLM's tiles and their
+    pixel mask); every other image input is laid out one row per image or patch."""
+    return name == "pixel_attention_mask" or (name == "pixel_values" and value.dim() == 5)
+
+
+def join_rows(rows: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """The image inputs of ``rows`` as one forward takes them, in row order (rows without images add nothing).
+
+    Inputs laid out one row per image or patch are concatenated. Tiles (``[1, tiles, C, H, W]`` and their
+    ``[1, tiles, H, W]`` masks) are put in one run of tiles, padded to the largest height and width with zeros
+    (the mask False there): the model flattens prompts × tiles and drops all-zero tiles, so this is the layout the
+    processor itself makes for a batch, without its all-zero padding tiles.
+    """
+    names = list(dict.fromkeys(name for row in rows for name in row))
+    joined = {}
+    for name in names:
+        values = [row[name] for row in rows if name in row]
+        if _per_prompt(name, values[0]):
+            joined[name] = torch.cat(_padded_tiles(values), dim=1)
+        else:
+            joined[name] = torch.cat(values, dim=0)
+    return joined
+
+
+def _padded_tiles(values: list[Tensor]) -> list[Tensor]:
+    height = max(v.size(-2) for v in values)
+    width = max(v.size(-1) for v in values)
+    return [F.pad(v, (0, width - v.size(-1), 0, height - v.size(-2))) for v in values]
+
+
+def repeat_rows(rows: Sequence[VisionRow], times: int) -> list[VisionRow]:
+    """Each row's inputs ``times`` times in a row (the G completions of a prompt share its images)."""
+    return [row for row in rows for _ in range(times)]
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The transformers model under a PEFT wrapper (or ``model`` itself)."""
+    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+
+
+def placeholder_token_ids(model: nn.Module) -> list[int]:
+    """The ids the model reads as image (or video) placeholders: a completion must never hold them, or the next
+    forward would look for an image they stand for (a trained model never writes them; a random tiny one would)."""
+    config = base_model(model).config
+    names = ("image_token_id", "image_token_index", "video_token_id")
+    return sorted({value for name in names if isinstance(value := getattr(config, name, None), int)})
+
+
+def check_completions(model: nn.Module, completion_ids: Tensor, completion_mask: Tensor) -> None:
+    """Refuse completions that hold an image placeholder (``placeholder_token_ids``): the forward would look for an
+    image for it and fail far from the cause (or, in ``get_rope_index``, end the round's iteration silently)."""
+    ids = torch.tensor(placeholder_token_ids(model), device=completion_ids.device)
+    found = torch.isin(completion_ids, ids) & completion_mask.bool()
+    if bool(found.any()):
+        row = int(found.any(-1).nonzero()[0])
+        raise ValueError(
+            f"completion row {row} holds an image placeholder token: the engine must not sample one "
+            "(TransformersEngine suppresses them for a vision-language model)"
+        )
+
+
+def modality_types(model: nn.Module, input_ids: Tensor) -> Tensor:
+    """``mm_token_type_ids`` of ``input_ids``: 1 at image tokens, 2 at video tokens, 0 elsewhere."""
+    config = base_model(model).config
+    types = torch.zeros_like(input_ids, dtype=torch.int32)
+    for value, name in ((1, "image_token_id"), (2, "video_token_id")):
+        token = getattr(config, name, None)
+        if token is not None:
+            types[input_ids == token] = value
+    return types
+
+
+def generation_inputs(model: nn.Module, rows: Sequence[Mapping[str, Tensor]], input_ids: Tensor) -> dict[str, Tensor]:
+    """What ``model.generate`` takes besides the ids and mask of ``rows`` (left-padded ``input_ids``): their joined
+    image inputs on the model's device and float dtype, and the modality of each token where the model reads it
+    (``generate`` finds the positions itself)."""
+    parameter = next(model.parameters())
+    inputs: dict[str, Tensor] = {}
+    for name, value in join_rows(rows).items():
+        dtype = parameter.dtype if value.is_floating_point() else value.dtype
+        inputs[name] = value.to(device=input_ids.device, dtype=dtype)
+    if "mm_token_type_ids" in inspect.signature(base_model(model).forward).parameters:
+        inputs["mm_token_type_ids"] = modality_types(model, input_ids)
+    return inputs
+
+
+def forward_inputs(
+    model: nn.Module, rows: Sequence[Mapping[str, Tensor]], input_ids: Tensor, attention_mask: Tensor
+) -> dict[str, Tensor]:
+    """What a forward of ``model`` over ``input_ids`` (left-padded rows, ``rows``' image inputs) takes besides
+    the ids and mask: the joined image inputs on the model's device and float dtype, the modality of each token
+    where the model reads it, and its position ids.
+
+    Positions: the Qwen-VL family's 3-D M-RoPE ones from its own ``get_rope_index`` (text positions count real
+    tokens only, so left padding moves nothing; the model's default would count from the padded start on a
+    text-only row), others' counted over the real tokens (``attention_mask``'s cumulative sum), as the text
+    path does.
+    """
+    base = base_model(model)
+    inputs = generation_inputs(model, rows, input_ids)
+    rope_index = getattr(getattr(base, "model", base), "get_rope_index", None)
+    if callable(rope_index) and "mm_token_type_ids" in inputs:
+        inputs["position_ids"] = rope_index(
+            input_ids,
+            mm_token_type_ids=inputs["mm_token_type_ids"],
+            image_grid_thw=inputs.get("image_grid_thw"),
+            video_grid_thw=inputs.get("video_grid_thw"),
+            attention_mask=attention_mask,
+        )[0]
+    else:
+        inputs["position_ids"] = mask_positions(attention_mask)
+    return inputs
