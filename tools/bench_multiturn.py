@@ -12,10 +12,11 @@ trajectories, the environment's steps included; and the whole rollout, every ``t
 
 ``--baseline DIR`` adds the same runs on another checkout (its package first on the path; this script's child runs
 on it), alternated with ours in one rotation (a shared CPU's speed drifts by 10-20% within minutes: versions timed
-at different times cannot be compared). The last lines say, for scripts:
+at different times cannot be compared). Each run also reports the rollout's CPU seconds, which on a busy machine
+at ``--threads 1`` vary less than wall times; ``--json PATH`` keeps every round's numbers. The last two lines:
 
-    rollout ours/baseline: generate 0.62 (1.61x faster), rollout 0.80 (1.25x faster)
-    figures: identical to the digit (rewards of 30 rounds .3f, accuracies .1%): yes; bit for bit: yes
+    rollout ours/baseline: generate <ours/base> (<base/ours>x faster), rollout ..., rollout CPU seconds ...
+    figures: identical to the digit (rewards of <rounds> rounds .3f, accuracies .1%): yes|no; bit for bit: yes|no
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +38,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class RoundFigures(Callback):
-    """Each round's rollout timings and mean reward (the rollout batch's metrics), kept in ``rounds``."""
+    """Each round's rollout timings and mean reward (the rollout batch's metrics), kept in ``rounds``; also the
+    process's CPU seconds of the rollout (it runs when the round's first batch is fetched), which a busy machine
+    disturbs less than the wall time at one thread."""
 
     def __init__(self) -> None:
         self.rounds: list[dict[str, float]] = []
+        self._cpu_start: float | None = None
+        self._rollout_cpu = float("nan")
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._cpu_start = time.process_time()
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._cpu_start is not None:  # the round's first batch: its rollout has just run
+            self._rollout_cpu, self._cpu_start = time.process_time() - self._cpu_start, None
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         from grpo_lightning.rollout.datamodule import latest_rollout  # the package of the side being measured
@@ -50,6 +63,7 @@ class RoundFigures(Callback):
             {
                 "generate_s": phases.get("time/generate", float("nan")),
                 "rollout_s": sum(phases.values()),
+                "rollout_cpu_s": self._rollout_cpu,
                 "reward": float(metrics["rollout/reward_mean"]),
             }
         )
@@ -155,28 +169,34 @@ def main() -> None:
             results[side].append(result)
             print(
                 f"run {run + 1} {side:>8}: generate {per_round(result, 'generate_s'):.3f} s/round, rollout "
-                f"{per_round(result, 'rollout_s'):.3f} s/round, reward last round {figures(result)[-3]}, accuracy "
+                f"{per_round(result, 'rollout_s'):.3f} s/round (CPU {per_round(result, 'rollout_cpu_s'):.3f}), "
+                f"reward last round {figures(result)[-3]}, accuracy "
                 f"{figures(result)[-2]} -> {figures(result)[-1]} (load {load:.2f} before)",
                 flush=True,
             )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
+    keys = ("generate_s", "rollout_s", "rollout_cpu_s")
     median = {
-        side: {key: statistics.median(per_round(r, key) for r in runs) for key in ("generate_s", "rollout_s")}
+        side: {key: statistics.median(per_round(r, key) for r in runs) for key in keys}
         for side, runs in results.items()
     }
     print(
         f"\n{args.rounds} rounds, {args.val_limit} held-out prompts, {args.runs} run(s) per side, {os.cpu_count()} CPUs"
     )
     for side, values in median.items():
-        print(f"{side}: generate {values['generate_s']:.3f} s/round, rollout {values['rollout_s']:.3f} s/round")
+        print(
+            f"{side}: generate {values['generate_s']:.3f} s/round, rollout {values['rollout_s']:.3f} s/round "
+            f"(CPU {values['rollout_cpu_s']:.3f} s/round)"
+        )
     if not baseline:
         return
     ours, base = median["ours"], median["baseline"]
     print(
         f"rollout ours/baseline: generate {ours['generate_s'] / base['generate_s']:.2f} "
         f"({base['generate_s'] / ours['generate_s']:.2f}x faster), rollout {ours['rollout_s'] / base['rollout_s']:.2f} "
-        f"({base['rollout_s'] / ours['rollout_s']:.2f}x faster)"
+        f"({base['rollout_s'] / ours['rollout_s']:.2f}x faster); rollout CPU seconds "
+        f"{ours['rollout_cpu_s'] / base['rollout_cpu_s']:.2f} ({base['rollout_cpu_s'] / ours['rollout_cpu_s']:.2f}x)"
     )
     printed = all(figures(r) == figures(results["baseline"][0]) for rs in results.values() for r in rs)
     bits = all(exact(r) == exact(results["baseline"][0]) for rs in results.values() for r in rs)

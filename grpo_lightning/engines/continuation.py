@@ -30,6 +30,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -98,6 +99,12 @@ def weights_stamp(module: nn.Module) -> Hashable:
         return local.data_ptr()
 
     return tuple((storage(p), p._version) for p in module.parameters())
+
+
+def real_tokens(ids: Tensor, mask: Tensor) -> list[list[int]]:
+    """Each row's tokens of left-padded ``ids`` (``mask`` 1 on them), as lists."""
+    width, lengths = ids.size(1), mask.sum(-1).tolist()
+    return [row[width - length :] for row, length in zip(ids.tolist(), lengths)]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -191,7 +198,7 @@ class GenerationSession:
             self.drop()
             return None
         chosen = self._rows[start:stop]
-        contexts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        contexts = real_tokens(prompt_ids, prompt_mask)
         # Every row keeps one token at least to prefill: its logits start the turn.
         reuse = [
             min(common_prefix(self._pieces[p].tokens[r], context), len(context) - 1)
@@ -202,10 +209,8 @@ class GenerationSession:
         device = prompt_ids.device
         new = [context[n:] for context, n in zip(contexts, reuse)]
         chunk = max(len(ids) for ids in new)
-        new_ids = torch.zeros(len(new), chunk, dtype=torch.long)  # padding: any id will do (masked)
-        new_mask = torch.zeros(len(new), chunk, dtype=torch.long)
-        for i, ids in enumerate(new):
-            new_ids[i, chunk - len(ids) :], new_mask[i, chunk - len(ids) :] = torch.tensor(ids), 1
+        new_ids = torch.tensor([[0] * (chunk - len(ids)) + ids for ids in new])  # padding: any id will do (masked)
+        new_mask = torch.tensor([[0] * (chunk - len(ids)) + [1] * len(ids) for ids in new])
         counts = torch.tensor(reuse)
         positions = (counts[:, None] + new_mask.cumsum(-1) - 1).clamp(min=0) * new_mask
         kept = self._gather(chosen, None if room is None else chunk + room)
@@ -231,21 +236,26 @@ class GenerationSession:
                 tokens,
             )
 
-        def empty(like: Tensor) -> Tensor:
-            # Zeros where a narrower chunk leaves columns unset: masked out, but a NaN there would still spread
-            # through attention's weighted sum (0 × NaN).
-            make = like.new_zeros if len(pieces) > 1 else like.new_empty
-            return make(n, like.size(1), width + (room or 0), like.size(3))
-
-        keys, values = [empty(k) for k in first.keys], [empty(v) for v in first.values]
+        columns = width + (room or 0)
+        keys: list[Tensor] = []
+        values: list[Tensor] = []
         valid = torch.zeros(n, width, dtype=torch.bool, device=device)
         for p in pieces:
             piece = self._pieces[p]
             into = torch.tensor([i for i, (q, _) in enumerate(chosen) if q == p], device=device)
             rows = torch.tensor([r for q, r in chosen if q == p], device=device)
-            for target, source in zip(keys + values, piece.keys + piece.values):
-                target[into, :, : piece.width] = source[rows, :, : piece.width]
-            valid[into, : piece.width] = piece.valid[rows]
+            for gathered, sources in ((keys, piece.keys), (values, piece.values)):
+                for layer, source in enumerate(sources):
+                    # Zeros after the piece's columns: masked out (or written before they are read), but a NaN
+                    # there would still spread through attention's weighted sum (0 × NaN).
+                    part = F.pad(source[:, :, : piece.width].index_select(0, rows), (0, 0, 0, columns - piece.width))
+                    if len(pieces) == 1:  # every row, in order
+                        gathered.append(part)
+                        continue
+                    if len(gathered) <= layer:
+                        gathered.append(part.new_empty(n, *part.shape[1:]))
+                    gathered[layer].index_copy_(0, into, part)  # whole rows of a contiguous buffer: fast
+            valid[:, : piece.width].index_copy_(0, into, piece.valid.index_select(0, rows))
         return KeptRows(keys, values, valid, tokens)
 
 

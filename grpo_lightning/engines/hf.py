@@ -26,7 +26,7 @@ from grpo_lightning.engines.base import (
     concat_completions,
     eval_mode,
 )
-from grpo_lightning.engines.continuation import GenerationSession, Kept, Resume, kept_after_sampling
+from grpo_lightning.engines.continuation import GenerationSession, Kept, Resume, kept_after_sampling, real_tokens
 from grpo_lightning.engines.model_decoder import cache_kwarg
 from grpo_lightning.vision.inputs import generation_inputs, placeholder_token_ids, repeat_rows
 
@@ -215,9 +215,7 @@ def kept_cache(
     if not layers or not all(type(layer) is DynamicLayer for layer in layers):
         return None
     if contexts is None:
-        contexts = [
-            ids[m.bool()].tolist() for ids, m in zip(completions.prompt_ids.cpu(), completions.prompt_mask.cpu())
-        ]
+        contexts = real_tokens(completions.prompt_ids, completions.prompt_mask)
     width = layers[0].keys.size(-2)
     valid = torch.cat(
         [mask.bool(), torch.ones(mask.size(0), width - mask.size(1), dtype=torch.bool, device=mask.device)], 1

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams, concat_completions, eval_mode
-from grpo_lightning.engines.continuation import GenerationSession, Kept, Resume, kept_after_sampling
+from grpo_lightning.engines.continuation import GenerationSession, Kept, Resume, kept_after_sampling, real_tokens
 from grpo_lightning.engines.model_decoder import ModelDecoder
 from grpo_lightning.engines.token_sampling import draw, filter_logits
 from grpo_lightning.models.lean import lean_unsupported
@@ -185,8 +185,7 @@ def _drop_finished(
 
 
 def _prompt_contexts(prompt_ids: Tensor, prompt_mask: Tensor, group_size: int) -> list[list[int]]:
-    prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
-    return [prompt for prompt in prompts for _ in range(group_size)]
+    return [prompt for prompt in real_tokens(prompt_ids, prompt_mask) for _ in range(group_size)]
 
 
 def _kept(
