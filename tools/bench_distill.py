@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_trl import SEED, Settings, environment, make_prompt, stamp, summarize  # noqa: E402
+from bench_trl import SEED, Settings, bench_trainer, environment, make_prompt, stamp, summarize  # noqa: E402
 
 LR = 1e-6
 SEQUENCES = 32  # completions per optimizer step, both sides
@@ -116,21 +116,7 @@ def run_ours(settings: Settings, folder: Path) -> dict[str, float]:
         mini_batch_size=SEQUENCES,
         seed=SEED,
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=settings.warmup_steps + settings.measured_steps,
-        reload_dataloaders_every_n_epochs=1,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        gradient_clip_val=1.0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[StepTimer()],
-    )
+    trainer = bench_trainer(settings.warmup_steps + settings.measured_steps, [StepTimer()])
     trainer.fit(module, datamodule=data)
     return summarize(stamps, settings)
 

@@ -209,6 +209,27 @@ def replay_engine(settings: Settings) -> Any:
     return ReplayEngine()
 
 
+def bench_trainer(max_steps: int, callbacks: list[Any]) -> Any:
+    """The Lightning Trainer of our side of a benchmark: no logger, checkpoints, progress bar or validation."""
+    import lightning as L
+
+    return L.Trainer(
+        accelerator="gpu" if DEVICE == "cuda" else "cpu",
+        devices=1,
+        max_steps=max_steps,
+        reload_dataloaders_every_n_epochs=1,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,  # no held-out data: GRPOModule defines validation_step, so Lightning would ask for it
+        gradient_clip_val=1.0,  # TRL's max_grad_norm default
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+
+
 def make_ours(settings: Settings, folder: Path, callbacks: list[Any], **data_options: Any) -> tuple[Any, Any, Any]:
     """Our public API, as a user would set up a benchmark: no logger, checkpoints, progress bar or validation.
     Returns ``(GRPOModule, RolloutDataModule, Trainer)``; ``data_options``: more of ``RolloutDataModule``'s."""
@@ -242,21 +263,7 @@ def make_ours(settings: Settings, folder: Path, callbacks: list[Any], **data_opt
         seed=SEED,
         **data_options,
     )
-    trainer = L.Trainer(
-        accelerator="gpu" if DEVICE == "cuda" else "cpu",
-        devices=1,
-        max_steps=settings.warmup_steps + settings.measured_steps,
-        reload_dataloaders_every_n_epochs=1,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,  # no held-out data: GRPOModule defines validation_step, so Lightning would ask for it
-        gradient_clip_val=1.0,  # TRL's max_grad_norm default
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
+    trainer = bench_trainer(settings.warmup_steps + settings.measured_steps, callbacks)
     return module, data, trainer
 
 
