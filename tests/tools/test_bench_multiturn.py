@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
@@ -23,9 +24,8 @@ def test_figures_are_compared_as_the_demo_prints_them_and_bit_for_bit():
     assert bench_multiturn.per_round(result([0.1, 0.2, 0.3], 0, 0, seconds=1.5), "rollout_s") == 3.0
 
 
-def test_a_baseline_that_is_not_a_checkout_is_refused(tmp_path):
-    script = Path(bench_multiturn.__file__)
-    proc = subprocess.run(
-        [sys.executable, str(script), "--baseline", str(tmp_path)], capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 2 and "git worktree add" in proc.stderr
+def test_a_baseline_that_is_not_a_checkout_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench_multiturn.py", "--baseline", str(tmp_path)])
+    with pytest.raises(SystemExit) as exit_info:
+        bench_multiturn.main()
+    assert exit_info.value.code == 2 and "git worktree add" in capsys.readouterr().err
