@@ -33,10 +33,18 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_trl import SEED, Settings, bench_trainer, environment, make_prompt, stamp, summarize  # noqa: E402
+from bench_trl import (  # noqa: E402
+    SEED,
+    Settings,
+    bench_trainer,
+    environment,
+    make_prompt,
+    ours_step_timer,
+    summarize,
+    trl_step_timer,
+)
 
 LR = 1e-6
 SEQUENCES = 32  # completions per optimizer step, both sides
@@ -96,10 +104,6 @@ def run_ours(settings: Settings, folder: Path) -> dict[str, float]:
 
     stamps: list[tuple[float, float]] = []
 
-    class StepTimer(L.Callback):
-        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-            stamps.append(stamp())
-
     L.seed_everything(SEED, verbose=False)
     module = GRPOModule(
         model_name_or_path=str(folder / "student"),
@@ -116,7 +120,7 @@ def run_ours(settings: Settings, folder: Path) -> dict[str, float]:
         mini_batch_size=SEQUENCES,
         seed=SEED,
     )
-    trainer = bench_trainer(settings.warmup_steps + settings.measured_steps, [StepTimer()])
+    trainer = bench_trainer(settings.warmup_steps + settings.measured_steps, [ours_step_timer(stamps)])
     trainer.fit(module, datamodule=data)
     return summarize(stamps, settings)
 
@@ -125,14 +129,10 @@ def run_trl(settings: Settings, folder: Path) -> dict[str, float]:
     """TRL's DistillationTrainer: 32 prompts per step, one on-policy completion each, reverse KL (beta = 1)."""
     import torch
     from datasets import load_dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import DistillationConfig, DistillationTrainer
 
     stamps: list[tuple[float, float]] = []
-
-    class StepTimer(TrainerCallback):
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            stamps.append(stamp())
 
     with tempfile.TemporaryDirectory() as out:
         config = DistillationConfig(
@@ -164,7 +164,7 @@ def run_trl(settings: Settings, folder: Path) -> dict[str, float]:
             args=config,
             train_dataset=load_dataset("json", data_files=str(folder / "prompts.jsonl"), split="train"),
             processing_class=AutoTokenizer.from_pretrained(folder / "student"),
-            callbacks=[StepTimer()],
+            callbacks=[trl_step_timer(stamps)],
         )
         trainer.train()
     return summarize(stamps, settings)

@@ -209,6 +209,29 @@ def replay_engine(settings: Settings) -> Any:
     return ReplayEngine()
 
 
+def ours_step_timer(stamps: list[tuple[float, float]]) -> Any:
+    """A Lightning callback appending ``stamp()`` after every optimizer step (one batch is one step: no gradient
+    accumulation)."""
+    import lightning as L
+
+    class StepTimer(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            stamps.append(stamp())
+
+    return StepTimer()
+
+
+def trl_step_timer(stamps: list[tuple[float, float]]) -> Any:
+    """A transformers ``TrainerCallback`` appending ``stamp()`` after every optimizer step."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            stamps.append(stamp())
+
+    return StepTimer()
+
+
 def bench_trainer(max_steps: int, callbacks: list[Any]) -> Any:
     """The Lightning Trainer of our side of a benchmark: no logger, checkpoints, progress bar or validation."""
     import lightning as L
@@ -269,15 +292,8 @@ def make_ours(settings: Settings, folder: Path, callbacks: list[Any], **data_opt
 
 def run_ours(settings: Settings, folder: Path, **data_options: Any) -> dict[str, float]:
     """Our side: GRPOModule + RolloutDataModule + Trainer, a callback timestamping every optimizer step."""
-    import lightning as L
-
     stamps: list[tuple[float, float]] = []
-
-    class StepTimer(L.Callback):
-        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-            stamps.append(stamp())  # one batch is one optimizer step (no gradient accumulation)
-
-    module, data, trainer = make_ours(settings, folder, [StepTimer()], **data_options)
+    module, data, trainer = make_ours(settings, folder, [ours_step_timer(stamps)], **data_options)
     trainer.fit(module, datamodule=data)
     return summarize(stamps, settings)
 
@@ -286,14 +302,10 @@ def run_trl(settings: Settings, folder: Path) -> dict[str, float]:
     """TRL's GRPOTrainer with the same settings: one optimizer step = one rollout of prompts × G completions."""
     import torch
     from datasets import load_dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     stamps: list[tuple[float, float]] = []
-
-    class StepTimer(TrainerCallback):
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            stamps.append(stamp())
 
     rollout = settings.prompts * settings.group_size
     with tempfile.TemporaryDirectory() as out:
@@ -330,7 +342,7 @@ def run_trl(settings: Settings, folder: Path) -> dict[str, float]:
             args=config,
             train_dataset=load_dataset("json", data_files=str(folder / "prompts.jsonl"), split="train"),
             processing_class=AutoTokenizer.from_pretrained(folder / "model"),
-            callbacks=[StepTimer()],
+            callbacks=[trl_step_timer(stamps)],
         )
         if settings.uneven:  # the same replayed completions as ours, in place of transformers' generate()
             tokenizer, calls = trainer.processing_class, [0]

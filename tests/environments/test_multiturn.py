@@ -90,6 +90,30 @@ def run(
     return out, engine, tokenizer
 
 
+def chat_rollout(env, rows, policy, tokenizer, group: int, max_new_tokens: int):
+    """Trajectories of a scripted chat policy against ``env`` (stops honoured, turns ending at the chat template's
+    ``<|im_end|>``), and the engine that played it."""
+    engine = ScriptedEngine(tokenizer, policy, honour_stops=True)
+    engine.eos_token_ids = (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+    encoder = PromptEncoder(tokenizer, use_chat_template=True)
+    params = SamplingParams(group_size=group, max_new_tokens=max_new_tokens)
+    return generate_trajectories(rows, engine=engine, encoder=encoder, environment=env, params=params), engine
+
+
+def parts(out, row: int):
+    """Trajectory ``row``: its prompt ids, its ids after the prompt, and the environment's stretches of them."""
+    c = out.completions
+    n = int(c.completion_mask[row].sum())
+    ids, action = c.completion_ids[row, :n].tolist(), out.action_mask[row, :n].tolist()
+    observations, current = [], []
+    for token, policy in zip(ids, action):
+        if not policy:
+            current.append(token)
+        elif current:
+            observations, current = [*observations, current], []
+    return c.prompt_ids[row][c.prompt_mask[row].bool()].tolist(), ids, observations + ([current] if current else [])
+
+
 def ids_of(tokenizer, text):
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 

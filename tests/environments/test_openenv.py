@@ -35,7 +35,7 @@ from openenv.core import EnvClient  # noqa: E402
 from openenv.core.client_types import StepResult  # noqa: E402
 from openenv.core.env_server.types import State  # noqa: E402
 from test_chat_formats import qwen_tokenizer  # noqa: E402
-from test_multiturn import ScriptedEngine  # noqa: E402
+from test_multiturn import chat_rollout  # noqa: E402
 
 from grpo_lightning.config import ConfigError  # noqa: E402
 from grpo_lightning.engines import LeanEngine, SamplingParams  # noqa: E402
@@ -93,12 +93,7 @@ def make_env(url: str | None, **kwargs) -> OpenEnvEnvironment:
 
 
 def rollout(env, rows, policy, tokenizer=None, group=2, max_new_tokens=300):
-    tokenizer = tokenizer or qwen_tokenizer()
-    engine = ScriptedEngine(tokenizer, policy, honour_stops=True)
-    engine.eos_token_ids = (tokenizer.convert_tokens_to_ids(END),)
-    encoder = PromptEncoder(tokenizer, use_chat_template=True)
-    params = SamplingParams(group_size=group, max_new_tokens=max_new_tokens)
-    return generate_trajectories(rows, engine=engine, encoder=encoder, environment=env, params=params)
+    return chat_rollout(env, rows, policy, tokenizer or qwen_tokenizer(), group, max_new_tokens)[0]
 
 
 def parts(out, row: int):

@@ -23,13 +23,10 @@ skyrl_gym = pytest.importorskip("skyrl_gym", reason="skyrl-gym is not installed:
 
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput  # noqa: E402
 from test_chat_formats import qwen_tokenizer  # noqa: E402
-from test_multiturn import ScriptedEngine  # noqa: E402
+from test_multiturn import chat_rollout, parts  # noqa: E402
 
 from grpo_lightning.config import ConfigError  # noqa: E402
-from grpo_lightning.engines import SamplingParams  # noqa: E402
 from grpo_lightning.environments import SkyRLGymEnvironment  # noqa: E402
-from grpo_lightning.rollout.multiturn import generate_trajectories  # noqa: E402
-from grpo_lightning.rollout.prompts import PromptEncoder  # noqa: E402
 
 END = "<|im_end|>"
 STATS = {"in_flight": 0, "most_in_flight": 0}
@@ -92,25 +89,7 @@ def math_policy(context: str) -> str:
 def rollout(env, rows, policy, group=2, max_new_tokens=600):
     tokenizer = qwen_tokenizer()
     env.setup(tokenizer)
-    engine = ScriptedEngine(tokenizer, policy, honour_stops=True)
-    engine.eos_token_ids = (tokenizer.convert_tokens_to_ids(END),)
-    encoder = PromptEncoder(tokenizer, use_chat_template=True)
-    params = SamplingParams(group_size=group, max_new_tokens=max_new_tokens)
-    return generate_trajectories(rows, engine=engine, encoder=encoder, environment=env, params=params)
-
-
-def parts(out, row: int):
-    """Trajectory ``row``: its prompt ids, its ids after the prompt and its environment stretches."""
-    c = out.completions
-    n = int(c.completion_mask[row].sum())
-    ids, action = c.completion_ids[row, :n].tolist(), out.action_mask[row, :n].tolist()
-    observations, current = [], []
-    for token, policy in zip(ids, action):
-        if not policy:
-            current.append(token)
-        elif current:
-            observations, current = [*observations, current], []
-    return c.prompt_ids[row][c.prompt_mask[row].bool()].tolist(), ids, observations + ([current] if current else [])
+    return chat_rollout(env, rows, policy, tokenizer, group, max_new_tokens)[0]
 
 
 def ids_of(tokenizer, text: str) -> list[int]:

@@ -14,14 +14,13 @@ import json
 import pytest
 from datasets import Dataset
 from test_chat_formats import qwen_tokenizer
-from test_multiturn import ScriptedEngine
+from test_multiturn import ScriptedEngine, chat_rollout, parts
 
 from grpo_lightning.engines.base import SamplingParams
 from grpo_lightning.environments import TRLEnvironment
 from grpo_lightning.models.tiny import TinyModelConfig, build_tiny_llama
 from grpo_lightning.rewards import RewardSpec
 from grpo_lightning.rewards.scorer import Scorer
-from grpo_lightning.rollout.multiturn import generate_trajectories
 from grpo_lightning.rollout.prompts import PromptEncoder
 from grpo_lightning.rollout.sample_and_score import sample_and_score
 
@@ -163,26 +162,7 @@ def set_up(factory, tokenizer=None, **kwargs) -> TRLEnvironment:
 
 
 def rollout(env, rows, policy, group=2, max_new_tokens=400):
-    tokenizer = env.tokenizer
-    engine = ScriptedEngine(tokenizer, policy, honour_stops=True)
-    engine.eos_token_ids = (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
-    encoder = PromptEncoder(tokenizer, use_chat_template=True)
-    params = SamplingParams(group_size=group, max_new_tokens=max_new_tokens)
-    return generate_trajectories(rows, engine=engine, encoder=encoder, environment=env, params=params), engine
-
-
-def parts(out, row: int):
-    """Trajectory ``row``: its prompt ids, its ids after the prompt, and the environment's stretches of them."""
-    c = out.completions
-    n = int(c.completion_mask[row].sum())
-    ids, action = c.completion_ids[row, :n].tolist(), out.action_mask[row, :n].tolist()
-    observations, current = [], []
-    for token, policy in zip(ids, action):
-        if not policy:
-            current.append(token)
-        elif current:
-            observations, current = [*observations, current], []
-    return c.prompt_ids[row][c.prompt_mask[row].bool()].tolist(), ids, observations + ([current] if current else [])
+    return chat_rollout(env, rows, policy, env.tokenizer, group, max_new_tokens)
 
 
 # ------------------------------------------------------------------------------------------ TRL, the reference
