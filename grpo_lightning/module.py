@@ -29,7 +29,7 @@ from grpo_lightning.metrics import merge_rank_metrics
 from grpo_lightning.models.build import load_tokenizer
 from grpo_lightning.models.logprobs import DEFAULT_LOGPROB_CHUNK, completion_logprobs
 from grpo_lightning.models.policy_and_reference import attached_trainer, build_policy, context_length, sampling_context
-from grpo_lightning.models.teacher import TeacherConfig, make_teacher
+from grpo_lightning.models.teacher import TeacherConfig, check_teacher_run, make_teacher
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.optimizer import adamw_with_warmup
 from grpo_lightning.rollout.batch import RolloutBatch
@@ -154,8 +154,8 @@ class GRPOModule(LightningModule):
 
     @property
     def distillation_weight(self) -> float | None:
-        """λ of on-policy distillation; None without a teacher."""
-        return self.teacher.config.weight if self.teacher is not None else None
+        """This round's λ of on-policy distillation (``TeacherConfig.round_weight``); None without a teacher."""
+        return self.teacher.config.round_weight(self.current_epoch) if self.teacher is not None else None
 
     def teacher_temperature(self, sampling_temperature: float) -> float:
         """τ_T, the temperature of the teacher's pass: ``model.teacher.temperature``, else the sampling one."""
@@ -173,11 +173,11 @@ class GRPOModule(LightningModule):
     def teacher_context_length(self) -> int | None:
         return self.teacher.context_length() if self.teacher is not None else None
 
-    def check_teacher(self, temperature: float) -> None:
+    def check_teacher(self, temperature: float, rewards_teach: bool = True) -> None:
         """Refuse, before training, a teacher temperature (τ_T, from the sampling ``temperature``) the teacher cannot
-        score at (a served one: 1 only)."""
+        score at (a served one: 1 only), or a weight schedule that stops it where no reward teaches."""
         if self.teacher is not None:
-            self.teacher.check_temperature(self.teacher_temperature(temperature))
+            check_teacher_run(self.teacher, self.teacher_temperature(temperature), rewards_teach)
 
     @property
     def has_reference(self) -> bool:

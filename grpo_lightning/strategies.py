@@ -22,6 +22,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from grpo_lightning.config import ConfigError
+from grpo_lightning.vision.models import vision_towers
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -112,10 +113,13 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a Hugging Face (or PEFT-wrapped) model: its ``_no_split_modules`` classes."""
+    """The transformer blocks of a Hugging Face (or PEFT-wrapped) model: its ``_no_split_modules`` classes, but a
+    vision-language model's vision blocks, which stay in the root unit: ``generate()`` runs the vision encoder
+    before the model's own forward (transformers 5), and FSDP2 needs the root's forward to come first."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     names = set(getattr(base, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    tower = {id(m) for t in vision_towers(model) for m in t.modules()}
+    layers = [m for m in model.modules() if type(m).__name__ in names and id(m) not in tower]
     if not layers:  # not a transformers model: the longest ModuleList holds the blocks
         lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
         layers = list(max(lists, key=len)) if lists else []

@@ -32,8 +32,11 @@ BLOCK_SIZE = 32
 class Server:
     """One ``vllm serve`` of ``folder`` on ``port`` (its output in ``log``)."""
 
-    def __init__(self, folder: str, log: Path, *, port: int | None = None, max_model_len: int = 128) -> None:
+    def __init__(
+        self, folder: str, log: Path, *, port: int | None = None, max_model_len: int = 128, extra_args: tuple = ()
+    ) -> None:
         self.folder, self.log, self.max_model_len = folder, log, max_model_len
+        self.extra_args = tuple(extra_args)  # more `vllm serve` flags (--enable-scale-out, ...)
         self.port = port or free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
@@ -52,7 +55,7 @@ class Server:
             "--dtype", "float32", "--max-model-len", str(self.max_model_len), "--enforce-eager",
             "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0", "--block-size", str(BLOCK_SIZE),
             "--logprobs-mode", "processed_logprobs",
-            "--weight-transfer-config", '{"backend": "gloo"}',
+            "--weight-transfer-config", '{"backend": "gloo"}', *self.extra_args,
         ]  # fmt: skip
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(

@@ -8,7 +8,8 @@ Each run is a fresh subprocess that runs the demo as ``tools/calculator_demo.py`
 ``configs/tools_calculator.yaml``): the held-out accuracy of the starting model, ``fit`` for ``--rounds`` rounds,
 the held-out accuracy after. It reports each round's rollout seconds (``time/generate``: sampling the
 trajectories, the environment's steps included; and the whole rollout, every ``time/`` phase of it: scoring and
-π_ref's pass too) and the demo's figures: each round's mean reward and the held-out accuracies before and after.
+π_ref's pass too, and ``time/environment`` only inside generate, which holds it) and the demo's figures: each
+round's mean reward and the held-out accuracies before and after.
 
 ``--baseline DIR`` adds the same runs on another checkout (its package first on the path; this script's child runs
 on it), alternated with ours in one rotation (a shared CPU's speed drifts by 10-20% within minutes: versions timed
@@ -59,9 +60,12 @@ class RoundFigures(Callback):
 
         metrics = latest_rollout(trainer).metrics
         phases = {k: float(v) for k, v in metrics.items() if k.startswith("time/") and not k.endswith("_per_s")}
+        # ``time/environment`` is the part of ``time/generate`` spent in the environment: counted once, in generate.
+        environment = phases.pop("time/environment", 0.0)
         self.rounds.append(
             {
                 "generate_s": phases.get("time/generate", float("nan")),
+                "environment_s": environment,
                 "rollout_s": sum(phases.values()),
                 "rollout_cpu_s": self._rollout_cpu,
                 "reward": float(metrics["rollout/reward_mean"]),
@@ -191,6 +195,18 @@ def main() -> None:
         )
     if not baseline:
         return
+    # Each run's pair (adjacent in time, so under about the same load): how many times faster ours ran.
+    pairs = {
+        key: [per_round(b, key) / per_round(o, key) for o, b in zip(results["ours"], results["baseline"])]
+        for key in keys
+    }
+    print(
+        "paired runs, baseline/ours: "
+        + "; ".join(f"{key} " + " ".join(f"{x:.2f}" for x in pairs[key]) for key in keys)
+        + " (medians "
+        + ", ".join(f"{statistics.median(pairs[key]):.2f}x" for key in keys)
+        + ")"
+    )
     ours, base = median["ours"], median["baseline"]
     print(
         f"rollout ours/baseline: generate {ours['generate_s'] / base['generate_s']:.2f} "

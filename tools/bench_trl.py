@@ -3,6 +3,7 @@
     pip install -e ".[bench]"          # TRL, pinned (an optional extra, not a runtime dependency)
     python tools/bench_trl.py          # settings A and B, 3 runs each, the frameworks alternated
     python tools/bench_trl.py --settings U --runs 1   # uneven completions: packing (ours packed and padded)
+    pip install -e ".[bench,vision]" && python tools/bench_trl.py --settings V   # images: the vision demo's model
     python tools/bench_trl.py --settings A --runs 5
     python tools/bench_trl.py --device cuda           # on a GPU (same settings, float32); memory = peak GPU memory
     git worktree add ../base d9ba92b && python tools/bench_trl.py --baseline ../base   # this code vs another
@@ -17,6 +18,11 @@ Each run is a fresh subprocess that reports its time per optimizer step (a callb
 step; the steps after the warm-up are averaged) and its peak resident memory (``ru_maxrss``). The table shows
 the median over runs; the last lines (``settings=A ratio=... mem_ratio=...``) are for scripts.
 
+Settings V has images: both sides train the vision demo's tiny Qwen2-VL (``grpo_lightning/assets/tiny-count-shapes``,
+vision tower frozen on both) on its counting prompts (an 84-pixel image drawn in code, then a question), the
+images given as files (ours reads the paths, TRL gets them decoded); ours samples with the ``transformers``
+engine (the one that takes images), TRL with its own ``generate``; completions again have a fixed length.
+
 ``--baseline DIR`` adds a third side, our code as another checkout has it, in the same rotation: a shared CPU's
 speed drifts by 10-20% within minutes, so versions measured at different times cannot be compared.
 """
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import resource
@@ -62,6 +69,9 @@ class Settings:
     uneven: tuple[int, int] | None = None
     """Completions replayed instead of sampled, their lengths spread evenly over this range (both sides alike):
     the update's cost with uneven lengths, which packing removes the padding of (``replay_completions``)."""
+    images: bool = False
+    """Prompts with an image each and the vision demo's tiny Qwen2-VL instead of a Llama (``build_image_assets``);
+    the model sizes above are that model's, for the table."""
 
 
 SETTINGS = {
@@ -70,7 +80,10 @@ SETTINGS = {
     "B": Settings(512, 8, 8, 1408, 4, 8, 64, 32, 2, 0.04, warmup_steps=4, measured_steps=12),
     # B's model, 16 completions of 16 to 512 tokens (uneven: padded rows are 52% padding), no sampling.
     "U": Settings(512, 8, 8, 1408, 2, 8, 512, 32, 2, 0.04, warmup_steps=2, measured_steps=4, uneven=(16, 512)),
+    # The vision demo's model (text 64 wide, 2 layers) and prompts: 8 images × G = 8, 16 new tokens each.
+    "V": Settings(64, 2, 2, 128, 8, 8, 16, 0, 1, 0.04, warmup_steps=3, measured_steps=12, images=True),
 }
+VISION_MODEL = Path(__file__).resolve().parents[1] / "grpo_lightning" / "assets" / "tiny-count-shapes"
 
 
 def replay_completions(settings: Settings, call: int, eos_id: int, pad_id: int, token_ids: list[int]):
@@ -97,9 +110,11 @@ def digit_ids(tokenizer: Any) -> list[int]:
     return [tokenizer.convert_tokens_to_ids(c) for c in "0123456789"]
 
 
-def digit_fraction(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
-    """The reward of both sides: the share of digits in the completion (cheap, deterministic, informative)."""
-    return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
+def digit_fraction(prompts: list[Any], completions: list[Any], **_: Any) -> list[float]:
+    """The reward of both sides: the share of digits in the completion (cheap, deterministic, informative). A
+    conversational completion (TRL's, for conversational prompts) is its last message's text."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in texts]
 
 
 def make_prompt(rng: random.Random, length: int) -> str:
@@ -111,6 +126,9 @@ def make_prompt(rng: random.Random, length: int) -> str:
 
 def build_assets(settings: Settings, folder: Path) -> None:
     """Save the model (seeded random weights), the tokenizer and 512 prompts under ``folder``."""
+    if settings.images:
+        build_image_assets(folder)
+        return
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -141,6 +159,31 @@ def build_assets(settings: Settings, folder: Path) -> None:
         for _ in range(512):
             f.write(json.dumps({"prompt": make_prompt(rng, settings.prompt_len)}) + "\n")
     (folder / "params.txt").write_text(str(sum(p.numel() for p in model.parameters())))
+
+
+def build_image_assets(folder: Path, rows: int = 64) -> None:
+    """Settings with images: the vision demo's model (copied) and ``rows`` of its training prompts, each image a
+    PNG file under ``folder/images`` that the jsonl's ``image`` column names."""
+    import shutil
+
+    from grpo_lightning.tasks import load_task
+    from grpo_lightning.tasks.vision import count_prompt
+
+    if not (VISION_MODEL / "config.json").is_file():
+        raise SystemExit(f"settings with images need {VISION_MODEL}: make it with tools/make_vision_model.py")
+    shutil.copytree(VISION_MODEL, folder / "model")
+    train = load_task("count_shapes", train_size=rows, test_size=1)["train"]
+    (folder / "images").mkdir()
+    with open(folder / "prompts.jsonl", "w") as f:
+        for i, row in enumerate(train):
+            path = folder / "images" / f"{i}.png"
+            row["images"][0].save(path)
+            f.write(json.dumps({"prompt": count_prompt(), "image": str(path)}) + "\n")
+    from safetensors import safe_open
+
+    with safe_open(folder / "model" / "model.safetensors", "pt") as weights:
+        params = sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
+    (folder / "params.txt").write_text(str(params))
 
 
 def stamp() -> tuple[float, float]:
@@ -280,6 +323,8 @@ def make_ours(settings: Settings, folder: Path, callbacks: list[Any], **data_opt
             temperature=1.0,
         ),
         **({"engine": replay_engine(settings)} if settings.uneven else {}),
+        # images: the engine that gives the model each row's images; rows with images run padded (no packing)
+        **({"engine": "transformers", "pack_tokens": None} if settings.images else {}),
         prompts_per_round=settings.prompts,
         mini_batch_size=rollout,
         num_iterations=settings.mu,
@@ -298,11 +343,24 @@ def run_ours(settings: Settings, folder: Path, **data_options: Any) -> dict[str,
     return summarize(stamps, settings)
 
 
+def trl_processing_class(settings: Settings, model: Path) -> Any:
+    """What TRL tokenizes with: the tokenizer, or with images the model's processor (``load_processor``: the one
+    our side uses, built for images alone where transformers' video processor would need torchvision)."""
+    if settings.images:
+        from grpo_lightning.vision.processors import load_processor
+
+        processor = load_processor(str(model))
+        processor.tokenizer.padding_side = "left"
+        return processor
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
 def run_trl(settings: Settings, folder: Path) -> dict[str, float]:
     """TRL's GRPOTrainer with the same settings: one optimizer step = one rollout of prompts × G completions."""
     import torch
-    from datasets import load_dataset
-    from transformers import AutoTokenizer
+    from datasets import Image, load_dataset
     from trl import GRPOConfig, GRPOTrainer
 
     stamps: list[tuple[float, float]] = []
@@ -336,14 +394,23 @@ def run_trl(settings: Settings, folder: Path) -> dict[str, float]:
             dataloader_num_workers=0,
             model_init_kwargs={"dtype": torch.float32},
         )
+        dataset = load_dataset("json", data_files=str(folder / "prompts.jsonl"), split="train")
+        if settings.images:
+            dataset = dataset.cast_column("image", Image())  # TRL hands the processor decoded images
         trainer = GRPOTrainer(
             model=str(folder / "model"),
             reward_funcs=digit_fraction,
             args=config,
-            train_dataset=load_dataset("json", data_files=str(folder / "prompts.jsonl"), split="train"),
-            processing_class=AutoTokenizer.from_pretrained(folder / "model"),
+            train_dataset=dataset,
+            processing_class=trl_processing_class(settings, folder / "model"),
             callbacks=[trl_step_timer(stamps)],
         )
+        if settings.images:
+            # As ours trains (model.freeze_vision_tower's default): the optimizer, made in train(), skips them.
+            from grpo_lightning.vision.models import vision_towers
+
+            for tower in vision_towers(trainer.model):
+                tower.requires_grad_(False)
         if settings.uneven:  # the same replayed completions as ours, in place of transformers' generate()
             tokenizer, calls = trainer.processing_class, [0]
 
@@ -466,7 +533,8 @@ def main() -> None:
     for name, s, params, med in rows:
         label = (
             f"{name}: {params / 1e6:.2f}M params, {s.prompts}×G={s.group_size}, {s.new_tokens} new tokens, "
-            f"prompt {s.prompt_len}, β={s.beta}, μ={s.mu}, steps {s.warmup_steps}+{s.measured_steps}"
+            + ("prompt: an 84-pixel image + question" if s.images else f"prompt {s.prompt_len}")
+            + f", β={s.beta}, μ={s.mu}, steps {s.warmup_steps}+{s.measured_steps}"
         )
         trl, ours = med["trl"], med["ours"]
         print(

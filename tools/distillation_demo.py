@@ -9,7 +9,8 @@
 1. The teacher: ``--teacher`` (a Hugging Face folder), else ``<out>/teacher/hf`` when a previous call made it, else
    ``configs/quickstart.yaml`` trained for its 40 rounds into ``<out>/teacher`` and exported with
    ``tools/export_hf.py``.
-2. GRPO alone: ``configs/quickstart.yaml`` (the exact-answer reward, no teacher).
+2. GRPO alone: ``configs/quickstart.yaml`` (the exact-answer reward, no teacher); ``--no-grpo`` skips it (when
+   an earlier call measured it with the same ``--seed`` and ``--rounds``).
 3. Distillation: ``configs/distillation.yaml`` (the quickstart with ``model.teacher``) taught by that teacher, and
    each ``--variant "NAME=OVERRIDES"``: the same config with those command-line overrides (split as a shell
    would split them).
@@ -103,6 +104,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=1, help="evaluate the held-out prompts every this many rounds")
     parser.add_argument("--target", type=float, default=95.0, help="held-out accuracy (%%) whose first round is shown")
     parser.add_argument("--seed", type=int, default=0, help="seed_everything and data.seed of every student run")
+    parser.add_argument("--no-grpo", action="store_true", help="skip GRPO alone (configs/quickstart.yaml)")
     parser.add_argument("--no-distillation", action="store_true", help="skip configs/distillation.yaml's own run")
     parser.add_argument(
         "--variant",
@@ -115,6 +117,8 @@ def main() -> None:
     if args.rounds < 1 or args.every < 1:
         raise SystemExit(f"--rounds and --every must be >= 1 (got {args.rounds}, {args.every})")
     variants = [parse_variant(text) for text in args.variant]  # refused before anything trains
+    if args.no_grpo and args.no_distillation and not variants:
+        raise SystemExit("nothing to run: --no-grpo and --no-distillation leave no run; add a --variant")
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     teacher = teacher_folder(args)
@@ -123,7 +127,7 @@ def main() -> None:
     schedule += ["--seed_everything", str(args.seed), "--data.seed", str(args.seed)]  # the data's: prompts, samples
     schedule += ["--trainer.enable_checkpointing", "false"]
     taught = ["--model.teacher.model_name_or_path", str(teacher)]
-    runs = [("GRPO alone (configs/quickstart.yaml)", "grpo", "configs/quickstart.yaml", [])]
+    runs = [] if args.no_grpo else [("GRPO alone (configs/quickstart.yaml)", "grpo", "configs/quickstart.yaml", [])]
     if not args.no_distillation:
         runs.append(("configs/distillation.yaml", "distillation", "configs/distillation.yaml", taught))
     for index, (name, overrides) in enumerate(variants, start=1):

@@ -8,7 +8,8 @@ The weights keep the dtype they were trained in (the checkpoint's: ``bfloat16`` 
 
 The folder holds the weights (``model.safetensors``), ``config.json``, the tokenizer and a ``generation_config.json``
 carrying the run's sampling settings (``data.sampling``, kept in the checkpoint's DataModule state), and loads
-with ``AutoModelForCausalLM.from_pretrained(OUT_DIR)``. A LoRA
+with ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` (a vision-language model: ``AutoModelForImageTextToText``,
+and its processor, image settings and chat template, with ``AutoProcessor``). A LoRA
 policy (a ``peft`` model) is merged into its base weights first, so the folder needs no ``peft`` to load.
 
 The checkpoint rebuilds its module from its hyperparameters, so ``model.model_name_or_path`` must still resolve
@@ -27,6 +28,7 @@ import torch
 from transformers import PreTrainedModel
 
 from grpo_lightning.module import GRPOModule
+from grpo_lightning.vision.models import save_tokenizer
 
 
 def merged_policy(policy: torch.nn.Module) -> PreTrainedModel:
@@ -85,7 +87,7 @@ def export_module(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     policy.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    save_tokenizer(tokenizer, out_dir)  # a vision-language model's processor whole: AutoProcessor reloads it
     return out_dir
 
 

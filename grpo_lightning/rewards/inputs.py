@@ -54,7 +54,13 @@ def completion_text(completion: Completion) -> str:
     if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
         content = completion[-1].get("content", "")
         if isinstance(content, list):  # typed content blocks: [{"type": "text", "text": ...}, ...]
-            return "".join(str(block.get("text", "")) for block in content if isinstance(block, dict))
+            # An image block shows as <image>; a dataset column of blocks gives every block a "text", None where
+            # it had none.
+            return "".join(
+                "<image>" if block.get("type") == "image" else str(block.get("text") or "")
+                for block in content
+                if isinstance(block, dict)
+            )
         return str(content)
     return str(completion)
 

@@ -64,6 +64,7 @@ class RolloutBatch:
     # [N] a vision-language model's image inputs of each row's prompt (``vision/inputs.py``; {} for a text-only
     # row), on the CPU: each forward joins its own rows'. Empty for a text model.
     vision: list[dict[str, Tensor]] = field(default_factory=list)
+    images: list[list[Any]] = field(default_factory=list)  # [N] its prompt's images (PIL), for the logs' tables
 
     def __len__(self) -> int:
         return self.completion_ids.size(0)

@@ -133,8 +133,9 @@ class RolloutCollector:
             micro=self.micro_batch_size,
         )
         policy = self.policy  # after the strategy's checks, which need no model
-        policy.check_teacher(self.sampling.temperature)
-        check_vision_run(policy.tokenizer, self.engine, self.environment, self.rollout_lag)
+        rewards_teach = self.environment is not None or any(spec.weight for spec in self.scorer.specs)
+        policy.check_teacher(self.sampling.temperature, rewards_teach)  # and a weight schedule that stops it
+        check_vision_run(policy.tokenizer, self.engine, self.environment)
         if not self.scorer.specs and self.environment is None and policy.distillation_weight is None:
             raise ConfigError(
                 "data.rewards is empty and neither model.teacher nor data.environment gives a learning signal: "

@@ -45,13 +45,11 @@ were computed in other matrix shapes than a full prefill's, so later turns' logi
 from __future__ import annotations
 
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams
@@ -59,8 +57,8 @@ from grpo_lightning.engines.continuation import GenerationSession
 from grpo_lightning.environments import stops
 from grpo_lightning.environments.base import Environment, Step
 from grpo_lightning.rollout.prompts import PromptEncoder
-
-_WARNED_OVERSIZE: set[str] = set()  # environment classes already warned about an oversize observation
+from grpo_lightning.rollout.turn_tokens import left_padded, observation_ids, observations_ids, right_padded
+from grpo_lightning.vision.encoder import VisionPromptEncoder
 
 
 @dataclass
@@ -76,6 +74,7 @@ class Trajectories:
     environment_s: float = 0.0  # seconds spent in the environment (its steps and resets)
     prompts: list[Any] = field(default_factory=list)  # each trajectory's prompt (``Environment.trajectory_prompt``)
     environments: list[Any] = field(default_factory=list)  # each trajectory's ``Environment.reward_view()``
+    vision: list[dict[str, Tensor]] | None = None  # a vision-language model's: each trajectory's image inputs
 
 
 @dataclass
@@ -83,6 +82,7 @@ class _Trajectory:
     env: Environment
     prompt: list[int]
     source: Any  # the prompt before tokens: the row's, or the environment's (``trajectory_prompt``)
+    vision: dict[str, Tensor] | None = None  # its row's image inputs (a vision-language model's prompt)
     ids: list[int] = field(default_factory=list)
     action: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -131,28 +131,6 @@ def end_token_ids(engine: RolloutEngine, tokenizer: Any) -> tuple[int, ...]:
     return tuple(getattr(engine, "eos_token_ids", ()) or ()) or (tokenizer.eos_token_id,)
 
 
-def observation_ids(environment: Environment, text: str, tokenizer: Any) -> list[int]:
-    """``text`` tokenized on its own, at most ``max_observation_tokens`` tokens.
-
-    An environment keeps its observations within the limit itself (``Environment.fit_observation`` cuts the text
-    and keeps the frame); cutting the tokens here also cuts the frame (a closing tag, the next turn's header), so
-    it is a last resort, with a warning once per environment class."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    limit = environment.max_observation_tokens
-    if len(ids) > limit:
-        kind, name = type(environment), type(environment).__qualname__
-        if f"{kind.__module__}.{name}" not in _WARNED_OVERSIZE:
-            _WARNED_OVERSIZE.add(f"{kind.__module__}.{name}")
-            warnings.warn(
-                f"{name} returned an observation of {len(ids)} tokens (max_observation_tokens = {limit}): its tokens "
-                "are cut, its closing text with them; return Environment.fit_observation(text, render) instead",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        ids = ids[:limit]
-    return ids
-
-
 def step_environments(environments: list[Environment], turns: list[str], max_workers: int = 1) -> list[Step]:
     """``environments[i].step(turns[i])`` for each i, in order. One at a time in this thread when ``max_workers`` is
     1 (an environment that times its calls with SIGALRM, ``ToolEnvironment``, needs the main thread); else at most
@@ -164,22 +142,6 @@ def step_environments(environments: list[Environment], turns: list[str], max_wor
     workers = min(max_workers, len(environments))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="environment-step") as pool:
         return list(pool.map(lambda env, turn: env.step(turn), environments, turns))
-
-
-def _left_padded(rows: list[list[int]], pad_token_id: int, device: torch.device | str) -> tuple[Tensor, Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row:
-            ids[i, width - len(row) :] = torch.tensor(row)
-            mask[i, width - len(row) :] = 1
-    return ids.to(device), mask.to(device)
-
-
-def _right_padded(rows: list[list], value: float | int, dtype: torch.dtype, device: torch.device | str) -> Tensor:
-    width = max([len(r) for r in rows] + [1])
-    return torch.stack([F.pad(torch.tensor(r, dtype=dtype), (0, width - len(r)), value=value) for r in rows]).to(device)
 
 
 def generate_trajectories(
@@ -196,7 +158,9 @@ def generate_trajectories(
     """``params.group_size`` trajectories (one when greedy) per prompt of ``rows``; see the module docstring."""
     # An engine that continues from its kept KV cache does so across this rollout's turns, and only here: the
     # session is closed when the rollout ends, before any weight update (``engines/continuation.py``).
-    session = engine.open_session() if getattr(engine, "supports_continuation", False) else None
+    # A vision-language model's turns are prefilled whole, with their images (its cache holds M-RoPE offsets).
+    keeps = getattr(engine, "supports_continuation", False) and not isinstance(encoder, VisionPromptEncoder)
+    session = engine.open_session() if keeps else None
     try:
         return _generate(rows, engine, encoder, environment, params, generator, return_logprobs, device, session)
     finally:
@@ -218,11 +182,12 @@ def _generate(
     tokenizer = encoder.tokenizer
     setup_environment(environment, tokenizer)
     group = 1 if params.greedy else params.group_size
-    prompt_ids, prompt_mask = encoder.encode(rows["prompt"], device)
+    prompt_ids, prompt_mask, vision = encoder.encode_rows(rows, device)  # vision: per prompt, a VLM's (else None)
     total_limit = params.max_new_tokens
     turn_limit = min(environment.max_turn_tokens or total_limit, total_limit)
     stop_ids = stop_sequences(environment, tokenizer)
     stop_texts, ends = environment.stop_texts, end_token_ids(engine, tokenizer)
+    scanner = stops.StopScanner(stop_texts, tokenizer)  # one per rollout: its turns repeat the same windows
     env_seconds = 0.0
     with_policy_logprobs = return_logprobs  # while every turn's engine call gave them (lean, transformers)
 
@@ -233,11 +198,11 @@ def _generate(
         prompt = prompt_ids[b][prompt_mask[b].bool()].tolist()
         row = {name: values[b] for name, values in rows.items()}
         for _ in range(group):
-            trajectory = _Trajectory(env=environment.spawn(), prompt=prompt, source=row["prompt"])
+            trajectory = _Trajectory(environment.spawn(), prompt, row["prompt"], None if vision is None else vision[b])
             first = trajectory.env.reset(row)
             own, tools = trajectory.env.trajectory_prompt(row["prompt"]), trajectory.env.prompt_tools(row)
             if tools or own is not row["prompt"]:
-                trajectory.prompt = encoder.text_token_ids([encoder.render(own, tools)])[0]
+                trajectory.prompt = encoder.trajectory_ids(own, tools, row)  # a VLM's: its images' tokens too
                 trajectory.source, rendered = own, True
             if first:
                 observed = observation_ids(environment, first, tokenizer)
@@ -252,7 +217,7 @@ def _generate(
     # reset); a prompt of a trajectory's own is sampled on its own, as later turns are.
     grouped = all(t.prompt == trajectories[i - i % group].prompt for i, t in enumerate(trajectories))
     if rendered and grouped:
-        prompt_ids, prompt_mask = _left_padded([t.prompt for t in trajectories[::group]], pad, device)
+        prompt_ids, prompt_mask = left_padded([t.prompt for t in trajectories[::group]], pad, device)
 
     called: list[_Trajectory] = []  # the rows of the engine's last call, whose keys and values it keeps
     for turn in range(environment.max_turns):
@@ -267,11 +232,13 @@ def _generate(
             continuing, called = {"session": session}, active
         if turn == 0 and grouped and not any(t.ids for t in trajectories):
             # All trajectories of a group share their context: the engine's group sampling, one prefill per prompt.
+            continuing.update({} if vision is None else {"vision": [t.vision for t in trajectories[::group]]})
             out = engine.generate(
                 prompt_ids, prompt_mask, turn_params, generator=generator, return_logprobs=return_logprobs, **continuing
             )
         else:
-            ids, mask = _left_padded([t.prompt + t.ids for t in active], pad, device)
+            ids, mask = left_padded([t.prompt + t.ids for t in active], pad, device)
+            continuing.update({} if vision is None else {"vision": [t.vision for t in active]})  # their images
             out = engine.generate(
                 ids,
                 mask,
@@ -289,7 +256,7 @@ def _generate(
         for i, (trajectory, limit) in enumerate(zip(active, limits)):
             ids = generated[i][: min(lengths[i], limit)]
             ids = ids[: next((k + 1 for k, token in enumerate(ids) if token in ends), len(ids))]  # its first end
-            cut, found = stops.find_stop(ids, stop_texts, tokenizer)
+            cut, found = scanner.find(ids)
             ids = ids[:cut]
             ended = bool(ids) and ids[-1] in ends
             stopped = found and not ended  # cut right after its stop text
@@ -307,6 +274,7 @@ def _generate(
         workers = getattr(environment, "max_concurrency", 1)  # OpenEnv's, skyrl-gym's setting; others: 1
         steps = step_environments([t[0].env for t in sampled], [t[1] for t in sampled], workers)
         env_seconds += time.perf_counter() - start
+        going: list[tuple[_Trajectory, str | None]] = []  # trajectories that go on, and their observations
         for (trajectory, _, ended, stopped), step in zip(sampled, steps):
             for name, value in step.rewards.items():
                 trajectory.rewards[name] = trajectory.rewards.get(name, 0.0) + float(value)
@@ -318,7 +286,10 @@ def _generate(
             if step.done or turn + 1 == environment.max_turns:  # the final answer, or out of turns
                 trajectory.active = False
                 continue
-            observed = observation_ids(environment, step.observation, tokenizer) if step.observation else []
+            going.append((trajectory, step.observation))
+        observed_ids = iter(observations_ids(environment, [text for _, text in going if text], tokenizer))
+        for trajectory, text in going:  # the turn's observations tokenized in one call
+            observed = next(observed_ids) if text else []
             if len(trajectory.ids) + len(observed) >= total_limit:  # no room for the answer and a next turn
                 trajectory.active, trajectory.truncated = False, True
                 continue
@@ -330,11 +301,13 @@ def _generate(
             trajectory.rewards[name] = trajectory.rewards.get(name, 0.0) + float(value)
     env_seconds += time.perf_counter() - start
     if rendered:  # each trajectory's own prompt
-        prompt_ids, prompt_mask = _left_padded([t.prompt for t in trajectories], pad, device)
+        prompt_ids, prompt_mask = left_padded([t.prompt for t in trajectories], pad, device)
     else:
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(group, 0), prompt_mask.repeat_interleave(group, 0)
     logprob_kinds = (return_logprobs, with_policy_logprobs)
-    return _assemble(trajectories, prompt_ids, prompt_mask, pad, env_seconds, device, logprob_kinds)
+    assembled = _assemble(trajectories, prompt_ids, prompt_mask, pad, env_seconds, device, logprob_kinds)
+    assembled.vision = None if vision is None else [t.vision for t in trajectories]
+    return assembled
 
 
 def _assemble(
@@ -346,18 +319,18 @@ def _assemble(
     device: torch.device | str,
     logprob_kinds: tuple[bool, bool],
 ) -> Trajectories:
-    ids = _right_padded([t.ids for t in trajectories], pad_token_id, torch.long, device)
-    mask = _right_padded([[1] * len(t.ids) for t in trajectories], 0, torch.long, device)
+    ids = right_padded([t.ids for t in trajectories], pad_token_id, torch.long, device)
+    mask = right_padded([[1] * len(t.ids) for t in trajectories], 0, torch.long, device)
     completions = Completions(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
         completion_ids=ids,
         completion_mask=mask,
         truncated=torch.tensor([t.truncated for t in trajectories], device=ids.device),
-        logprobs=_right_padded([t.logprobs for t in trajectories], 0.0, torch.float32, device)
+        logprobs=right_padded([t.logprobs for t in trajectories], 0.0, torch.float32, device)
         if logprob_kinds[0]
         else None,
-        policy_logprobs=_right_padded([t.policy_logprobs for t in trajectories], 0.0, torch.float32, device)
+        policy_logprobs=right_padded([t.policy_logprobs for t in trajectories], 0.0, torch.float32, device)
         if logprob_kinds[1]
         else None,
     )
@@ -371,7 +344,7 @@ def _assemble(
     }
     return Trajectories(
         completions=completions,
-        action_mask=_right_padded([t.action for t in trajectories], 0, torch.long, device),
+        action_mask=right_padded([t.action for t in trajectories], 0, torch.long, device),
         final_texts=[t.final_text for t in trajectories],
         transcripts=["".join(t.segments) for t in trajectories],
         env_rewards={name: [t.rewards.get(name, 0.0) for t in trajectories] for name in names},

@@ -28,7 +28,8 @@ class PolicySide(Protocol):
     has_reference: bool
     """Whether the loss has a KL term to a reference model (π_ref's log-probs are then computed)."""
     distillation_weight: float | None
-    """λ of on-policy distillation (``model.teacher``); None without a teacher."""
+    """This round's λ of on-policy distillation (``model.teacher``); None without a teacher, or once its weight
+    schedule has reached 0."""
 
     def rollout_context(self) -> AbstractContextManager[None]:
         """What generation and rollout log-prob passes run in (the Trainer's precision, gathered weights)."""
@@ -54,8 +55,9 @@ class PolicySide(Protocol):
         """The longest sequence (prompt + completion) the policy supports; None when unknown."""
         ...
 
-    def check_teacher(self, temperature: float) -> None:
-        """Refuse (``ConfigError``) a sampling temperature the teacher cannot score at; nothing without one."""
+    def check_teacher(self, temperature: float, rewards_teach: bool = True) -> None:
+        """Refuse (``ConfigError``) a sampling temperature the teacher cannot score at, or a teacher whose weight
+        schedule stops it where no reward teaches (``rewards_teach`` false); nothing without one."""
         ...
 
 

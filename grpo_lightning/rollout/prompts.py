@@ -230,6 +230,16 @@ class PromptEncoder:
             **({"tools": tools} if tools else {}),  # `if tools`: Llama's template writes its tool preamble for []
         )
 
+    def trajectory_ids(self, prompt: Prompt, tools: list[dict[str, Any]] | None, row: Mapping[str, Any]) -> list[int]:
+        """A multi-turn trajectory's own prompt (an environment's: its tools listed, or reset's text inside) as token
+        ids; ``row``: its dataset row (a vision-language model's encoder expands the row's images in it)."""
+        return self.text_token_ids([self.render(prompt, tools)])[0]
+
+    def rendered_lengths(self, rendered: list[str], data: Any) -> list[int]:
+        """Each row of ``data``'s prompt length in tokens, as the model reads it (``rendered``: the prompts'
+        texts); a vision-language model's encoder counts each image's expanded tokens."""
+        return [len(ids) for ids in self.text_token_ids(rendered)]
+
     def texts(self, prompts: list[Prompt]) -> list[str]:
         """The text the model is given for each prompt (the chat template applied, when used)."""
         return [self.render(p) for p in prompts]
@@ -290,7 +300,7 @@ def check_prompt_rows(
     check_prompts(
         {"prompt": texts},  # rendered: the lengths are the model's
         where,
-        token_lengths=lambda rendered: [len(ids) for ids in encoder.text_token_ids(rendered)],
+        token_lengths=lambda rendered: encoder.rendered_lengths(rendered, data),
         context_length=context_length,
         max_new_tokens=max_new_tokens,
         context_name=context_name,

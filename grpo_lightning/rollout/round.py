@@ -68,8 +68,8 @@ class RoundSettings:
     """At a lag: ``decoupled`` (ratio to π_prox, the policy at the update's start, times the behaviour weight
     π_prox / μ, truncated or masked), ``behaviour`` (ratio to μ directly) or ``none`` (ratio to π_prox only)."""
     teacher_weight: float | None = None
-    """On-policy distillation (``model.teacher``): λ of the per-token advantage λ · (log π_T − log π_S)
-    (``models/teacher.py``); None: no teacher. π_S, the student's log-probs, are then recorded as π_old."""
+    """On-policy distillation (``model.teacher``): this round's λ of the per-token advantage λ · (log π_T − log π_S)
+    (``models/teacher.py``); None: no teacher this round. π_S, the student's log-probs, are then recorded as π_old."""
     reward_weights: dict[str, float] = field(default_factory=dict)
     """Each outcome reward's weight (``data.rewards``), for GDPO's weighted sum; a column not named here (an
     environment's reward part, which joins the total as it is) weighs 1."""
@@ -249,6 +249,7 @@ def finish_round(
         tokens = batch.loss_mask.bool()
         batch.metrics["distill/reverse_kl_k1"] = -(distill[tokens] / settings.teacher_weight).mean().item()
         batch.metrics["distill/advantage_abs_mean"] = distill[tokens].abs().mean().item()
+        batch.metrics["distill/weight"] = settings.teacher_weight  # this round's λ (model.teacher.weight_schedule)
     if settings.dynamic_sampling:
         group_size = settings.sampling.group_size
         batch.metrics["rollout/sampling_rounds"] = float(sampled.draws)

@@ -25,6 +25,7 @@ from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.rollout.multiturn import generate_trajectories
 from grpo_lightning.rollout.prompts import PromptEncoder
 from grpo_lightning.vision.engines import check_vision_run
+from grpo_lightning.vision.images import images_of_rows
 from grpo_lightning.vision.inputs import repeat_rows
 
 log = logging.getLogger(__name__)
@@ -132,8 +133,11 @@ def sample_and_score(
         temperature=params.temperature,
         max_new_tokens=params.max_new_tokens,
     )
+    # A vision-language model's rows: each one's image inputs (a trajectory's are its prompt's) and, for the logs'
+    # tables, its prompt's images.
+    vision = repeat_rows(vision, group_size) if vision is not None else trajectories and trajectories.vision
     if vision is not None:
-        batch.vision = repeat_rows(vision, group_size)
+        batch.vision, batch.images = vision, repeat_each(images_of_rows(rows), group_size)
     batch.unscorable = torch.tensor(scores.unscorable or [False] * len(texts), device=batch.rewards.device)
     batch.reward_log = dict(scores.metrics)
     batch.extra_columns = logged_columns(scores.extra_columns, len(texts))

@@ -18,7 +18,7 @@ TaskFactory = Callable[..., DatasetDict]
 _TASKS: dict[str, TaskFactory] = {}
 
 # Modules that register built-in tasks; imported on first use so that importing the package stays cheap.
-_BUILTIN_MODULES = ("arithmetic", "countdown", "gsm8k", "math", "multiplication")
+_BUILTIN_MODULES = ("arithmetic", "countdown", "gsm8k", "math", "multiplication", "vision")
 # Task families: ``family:task`` names made by a module of their own (its ``load(task, curriculum=, **kwargs)``),
 # imported only when a config names one: the package behind it is an optional extra.
 _FAMILIES = {"reasoning_gym": "grpo_lightning.tasks.reasoning_gym"}

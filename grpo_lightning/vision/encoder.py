@@ -16,8 +16,9 @@ from torch import Tensor
 
 from grpo_lightning.config import ConfigError
 from grpo_lightning.rollout.prompts import PromptEncoder, is_conversation, prompt_problem
-from grpo_lightning.vision.images import check_image_rows, images_of_rows
+from grpo_lightning.vision.images import IMAGE_COLUMNS, check_image_rows, images_of_rows, pil_image
 from grpo_lightning.vision.inputs import VisionRow, row_inputs
+from grpo_lightning.vision.vllm_inputs import sourced
 
 _PART_TYPES = ("text", "image")
 
@@ -69,6 +70,7 @@ class VisionPromptEncoder(PromptEncoder):
                 "template (it places the images); set it to auto or true"
             )
         self.processor = processor
+        self._image_tokens: dict[tuple[int, int], int] = {}  # image size → tokens beyond its marker
 
     def prompt_problem(self, prompt: Any) -> str | None:
         return parts_problem(prompt)
@@ -77,9 +79,8 @@ class VisionPromptEncoder(PromptEncoder):
         return _clean(super().messages(prompt))
 
     def render(self, prompt: Any, tools: list[dict[str, Any]] | None = None) -> str:
-        """The text the processor is given for one prompt: its chat template applied, an image marker per image."""
-        if tools:
-            raise ConfigError("data.environment with a vision-language model is not supported yet (docs/vision.md)")
+        """The text the processor is given for one prompt: its chat template applied, an image marker per image;
+        ``tools``: function schemas the template lists (an environment's, ``PromptEncoder.render``)."""
         messages = self.messages(prompt)
         prefilled = messages[-1]["role"] == "assistant"
         renderer = self.processor if getattr(self.processor, "chat_template", None) else self.tokenizer
@@ -89,12 +90,59 @@ class VisionPromptEncoder(PromptEncoder):
             add_generation_prompt=not prefilled,
             continue_final_message=prefilled,
             **self.chat_template_kwargs,
+            **({"tools": tools} if tools else {}),
         )
 
     def check_rows(self, data: Any, where: str) -> None:
         """The prompts (``PromptEncoder.check_rows``) and their images (``vision/images.py: check_image_rows``)."""
         super().check_rows(data, where)
         check_image_rows(data, where)
+
+    def text_inputs(self, text: str, images: list[Any]) -> tuple[list[int], VisionRow]:
+        """One rendered prompt ``text`` and its ``images`` through the processor: its token ids, each image marker
+        expanded into the image's tokens, and its image inputs (on the CPU; empty without images)."""
+        output = self.processor(
+            text=[text],
+            images=[images] if images else None,
+            return_tensors="pt",
+            add_special_tokens=not self.use_chat_template,
+        )
+        ids = output["input_ids"][0].tolist()
+        # the images and the ids before expansion kept beside: what vLLM takes (vision/vllm_inputs.py)
+        return ids, sourced(row_inputs(output), images, self.text_token_ids([text])[0], ids)
+
+    def trajectory_ids(self, prompt: Any, tools: list[dict[str, Any]] | None, row: Mapping[str, Any]) -> list[int]:
+        """A multi-turn trajectory's own prompt (an environment's, ``PromptEncoder.trajectory_ids``), each image
+        marker expanded for its dataset ``row``'s images (their inputs are the row's prompt's: the same images)."""
+        images = images_of_rows({name: [value] for name, value in row.items()})[0]
+        return self.text_inputs(self.render(prompt, tools), images)[0]
+
+    def rendered_lengths(self, rendered: list[str], data: Any) -> list[int]:
+        """Each row's prompt length as the model reads it: its text's tokens, plus what the processor expands each
+        image marker into beyond the marker (a Qwen2-VL image of 112 × 112 pixels is 16 tokens, not one).
+
+        The expansion depends on the image's size alone, so the processor runs once per size seen (on a blank image
+        of it), not once per row: the check before training stays a tokenization of the text. A processor that does
+        not expand its ``image_token`` alone (one that marks images with other text) has each row encoded whole."""
+        columns = list(data.column_names) if hasattr(data, "column_names") else list(data)
+        rows = {name: list(data[name]) for name in ("prompt", *IMAGE_COLUMNS) if name in columns}
+        lengths, images = super().rendered_lengths(rendered, data), images_of_rows(rows)
+        try:
+            return [n + sum(self.image_tokens(i.size) for i in row) for n, row in zip(lengths, images)]
+        except (AttributeError, ValueError):  # no image_token, or one the processor does not expand by itself
+            return [len(self.text_inputs(text, row)[0]) for text, row in zip(rendered, images)]
+
+    def image_tokens(self, size: tuple[int, int]) -> int:
+        """How many tokens one image of ``size`` (width, height) adds to its prompt beyond its marker."""
+        if size not in self._image_tokens:
+            marker = self.processor.image_token
+            expanded = self.processor(
+                text=[marker], images=[[pil_image().new("RGB", size)]], return_tensors="pt", add_special_tokens=False
+            )["input_ids"][0]
+            self._image_tokens[size] = len(expanded) - len(
+                self.tokenizer(marker, add_special_tokens=False)["input_ids"]
+            )
+        return self._image_tokens[size]
 
     def encode_rows(
         self, rows: Mapping[str, list[Any]], device: torch.device | str = "cpu"
@@ -103,14 +151,9 @@ class VisionPromptEncoder(PromptEncoder):
         inputs (on the CPU; empty for a text-only row)."""
         ids, vision = [], []
         for text, images in zip(self.texts(list(rows["prompt"])), images_of_rows(rows)):
-            output = self.processor(
-                text=[text],
-                images=[images] if images else None,
-                return_tensors="pt",
-                add_special_tokens=not self.use_chat_template,
-            )
-            ids.append(output["input_ids"][0])
-            vision.append(row_inputs(output))
+            row_ids, inputs = self.text_inputs(text, images)
+            ids.append(torch.tensor(row_ids, dtype=torch.long))
+            vision.append(inputs)
         width = max(len(row) for row in ids)
         prompt_ids = torch.full((len(ids), width), self.tokenizer.pad_token_id, dtype=torch.long)
         prompt_mask = torch.zeros((len(ids), width), dtype=torch.long)

@@ -4,22 +4,26 @@ from __future__ import annotations
 
 from typing import Any
 
+from grpo_lightning.agents.environment import AgentEnvironment
 from grpo_lightning.config import ConfigError
 from grpo_lightning.vision.models import processor_of
 
 
-def check_vision_run(tokenizer: Any, engine: Any, environment: Any, rollout_lag: int = 0) -> None:
+def check_vision_run(tokenizer: Any, engine: Any, environment: Any) -> None:
     """For a vision-language model (its ``tokenizer`` carries a processor; nothing for a text model's), refuse an
-    engine that cannot give it its images (``takes_images``), multi-turn rollouts and a rollout lag (the
-    background process builds a text model)."""
+    engine that cannot give it its images (``takes_images``) and an agent environment (its agents talk to the
+    run's endpoint in text: they never see the images). Multi-turn environments that answer in text
+    (``rollout/multiturn.py``: the first prompt holds the images) and a rollout lag (the background process builds
+    the vision-language model and its processor) work."""
     if processor_of(tokenizer) is None:
         return
     if not getattr(engine, "takes_images", False):
         raise ConfigError(
-            f"data.engine: {engine.name} does not feed images to a vision-language model yet; set data.engine: "
-            "transformers"
+            f"data.engine: {engine.name} does not feed images to a vision-language model; set data.engine: "
+            "transformers, vllm or vllm_server"
         )
-    if environment is not None:
-        raise ConfigError("data.environment: multi-turn rollouts with a vision-language model are not supported yet")
-    if rollout_lag:
-        raise ConfigError("data.rollout_lag: a lag with a vision-language model is not supported yet; set it to 0")
+    if isinstance(environment, AgentEnvironment):
+        raise ConfigError(
+            "data.environment: an AgentEnvironment's agents call the run's endpoint with text only and never see "
+            "a vision-language model's images; use a multi-turn environment (ToolEnvironment, ...) instead"
+        )

@@ -13,13 +13,26 @@ from __future__ import annotations
 import io
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
-
-from PIL import Image
+from typing import TYPE_CHECKING, Any
 
 from grpo_lightning.config import ConfigError
 
+if TYPE_CHECKING:
+    from PIL import Image
+
 IMAGE_COLUMNS = ("image", "images")
+
+
+def pil_image() -> Any:
+    """``PIL.Image``, imported when an image is first read: Pillow is the ``vision`` extra, and a text-only run
+    never needs it (this module is imported by every run)."""
+    try:
+        from PIL import Image
+    except ImportError as err:
+        raise ImportError(
+            "images need Pillow, which is not installed: pip install 'grpo_lightning[vision]' (or pip install pillow)"
+        ) from err
+    return Image
 
 
 def image_column(columns: Sequence[str], where: str = "data.dataset") -> str | None:
@@ -34,6 +47,7 @@ def image_column(columns: Sequence[str], where: str = "data.dataset") -> str | N
 def load_image(value: Any) -> Image.Image:
     """``value`` (a PIL image, a path, bytes, or a ``datasets`` ``{"bytes", "path"}`` dict) as an RGB PIL image.
     Raises ``ValueError`` saying why it cannot be read."""
+    Image = pil_image()
     if isinstance(value, Image.Image):
         image = value
     elif isinstance(value, Mapping) and (value.get("bytes") is not None or value.get("path") is not None):
@@ -55,7 +69,7 @@ def _opened(open_image: Any, why: str) -> Image.Image:
         image = open_image()
         image.load()  # read now: a truncated file fails here, not in the middle of a round
         return image
-    except (OSError, SyntaxError, Image.DecompressionBombError) as err:
+    except (OSError, SyntaxError, pil_image().DecompressionBombError) as err:
         raise ValueError(f"{why} ({err})") from err
 
 
@@ -64,7 +78,7 @@ def row_images(value: Any, column: str) -> list[Image.Image]:
     if value is None:
         return []
     if column == "images":
-        if isinstance(value, (str, bytes, Mapping, Image.Image)) or not isinstance(value, Sequence):
+        if isinstance(value, (str, bytes, Mapping, pil_image().Image)) or not isinstance(value, Sequence):
             raise ValueError(f"the 'images' column holds a list of images per row (got {type(value).__name__})")
         return [load_image(v) for v in value]
     return [load_image(value)]

@@ -76,6 +76,26 @@ def load_vision_model(name: str, dtype: Any) -> nn.Module:
     return AutoModelForImageTextToText.from_pretrained(name, dtype=dtype)
 
 
+def is_vision_config(config: Any) -> bool:
+    """Whether a model ``config`` (a ``PretrainedConfig``) is a vision-language model's (``is_vision_model``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return (
+        getattr(config, "vision_config", None) is not None
+        and getattr(config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    )
+
+
+def model_from_config(config: Any, dtype: Any) -> nn.Module:
+    """A randomly initialised model of ``config`` in ``dtype``: ``AutoModelForImageTextToText`` for a
+    vision-language model's, ``AutoModelForCausalLM`` otherwise (the background process of ``data.rollout_lag``
+    builds the policy's architecture this way, then takes its weights)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
+    return auto.from_config(config, dtype=dtype)
+
+
 def vision_towers(model: nn.Module) -> list[nn.Module]:
     """The vision encoder(s) of ``model`` (under a PEFT wrapper too); the projector that maps their features into
     the language model (LLaVA's ``multi_modal_projector``, Idefics3's ``connector``) is not one of them."""
@@ -115,3 +135,11 @@ def freeze_vision_tower(model: nn.Module) -> int:
             frozen += parameter.numel() if parameter.requires_grad else 0
             parameter.requires_grad_(False)
     return frozen
+
+
+def save_tokenizer(tokenizer: Any, folder: str | Path) -> None:
+    """Write ``tokenizer`` to ``folder`` (an exported model's): a vision-language model's whole processor (its
+    image processor's settings, chat template and tokenizer, so ``AutoProcessor`` reloads it), a text model's
+    tokenizer."""
+    processor = processor_of(tokenizer)
+    (processor if processor is not None else tokenizer).save_pretrained(str(folder))

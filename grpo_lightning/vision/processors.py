@@ -41,8 +41,19 @@ def _image_only_class(processor_class: str) -> type:
             (folder / "processor_config.json").write_text(json.dumps({"processor_class": processor_class}, indent=2))
             return [str(folder / "processor_config.json")]
 
+        def __reduce__(self) -> tuple[Any, ...]:
+            # A class made here is not importable by its name: pickled (the background process of
+            # ``data.rollout_lag`` receives it) as this factory's class, made anew, and the object's own state.
+            return _new_image_only, (processor_class,), self.__dict__
+
     ImageOnly.__name__ = ImageOnly.__qualname__ = processor_class
     return ImageOnly
+
+
+def _new_image_only(processor_class: str) -> Any:
+    """An empty ``ImageOnly`` of ``processor_class``, for unpickling (its state is set after)."""
+    cls = _image_only_class(processor_class)
+    return cls.__new__(cls)
 
 
 def image_only_processor(processor_class: str, image_processor: Any, tokenizer: Any, chat_template: str | None) -> Any:

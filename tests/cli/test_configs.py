@@ -38,6 +38,7 @@ CONFIGS = ROOT / "configs"
 TINY_ARITH = ROOT / "grpo_lightning" / "assets" / "tiny-arith"
 TINY_CALC = ROOT / "grpo_lightning" / "assets" / "tiny-calc"
 TINY_BASIC_ARITHMETIC = ROOT / "grpo_lightning" / "assets" / "tiny-basic-arithmetic"
+TINY_COUNT_SHAPES = ROOT / "grpo_lightning" / "assets" / "tiny-count-shapes"
 GSM8K_SAMPLE = ROOT / "tests" / "data" / "gsm8k_sample.jsonl"
 SHIPPED = sorted(
     p.relative_to(CONFIGS).as_posix()
@@ -180,6 +181,40 @@ def reasoning_gym_demo(work: Path) -> tuple[type, list[str]]:
     return GRPOCLI, [*args, *SMALL_ROUND]
 
 
+def vision_demo(work: Path) -> tuple[type, list[str]]:
+    """The vision demo: its own model by absolute path, a few drawn images, one small round."""
+    rows = json.dumps({"train_size": 8, "test_size": 2})
+    args = ["--config", str(CONFIGS / "vision.yaml"), "--model.model_name_or_path", str(TINY_COUNT_SHAPES)]
+    return GRPOCLI, [*args, "--data.task_kwargs", rows, *SMALL_ROUND]
+
+
+def geometry3k_recipe(work: Path) -> tuple[type, list[str]]:
+    """The Qwen2.5-VL Geometry3K recipe on a tiny Qwen2-VL and local rows with its columns (a diagram file per
+    row, ``<image>`` in the problem) instead of the Hub's model and dataset; a round of 2 problems × G = 5."""
+    from PIL import Image, ImageDraw
+
+    from grpo_lightning.vision.tiny import build_tiny_vlm
+
+    files = {}
+    for split, rows in (("train", 4), ("test", 2)):
+        lines = []
+        for i in range(rows):
+            path = work / f"{split}_{i}.png"
+            image = Image.new("RGB", (120, 90), "white")
+            ImageDraw.Draw(image).polygon([(10, 80), (110, 80), (60, 10 + 5 * i)], outline="black")
+            image.save(path)
+            problem = f"<image>Find x. The base is {10 + i}."
+            lines.append(json.dumps({"images": [str(path)], "problem": problem, "answer": str(10 + i)}) + "\n")
+        files[split] = str(work / f"{split}.jsonl")
+        Path(files[split]).write_text("".join(lines))
+    settings = json.dumps({"data_files": files, "test_split": "test"})
+    args = ["--config", str(CONFIGS / "recipes" / "qwen2.5-vl-3b_geometry3k.yaml"), "--trainer.logger", "false"]
+    args += ["--model.model_name_or_path", str(build_tiny_vlm("qwen2_vl", work / "tiny-qwen2-vl"))]
+    args += ["--data.task_kwargs", settings, "--data.sampling.max_new_tokens", "4", "--data.prompts_per_round", "2"]
+    args += ["--data.mini_batch_size", "10", "--data.micro_batch_size", "5", "--trainer.accumulate_grad_batches", "2"]
+    return GRPOCLI, args
+
+
 SFT_SMALL = ["--data.val_limit", "8"]
 _SERVERS: dict = {}
 
@@ -213,6 +248,8 @@ RUNS = {
     "lora.yaml": gsm8k_with("lora.yaml"),
     "tools_calculator.yaml": tools_calculator,
     "reasoning_gym.yaml": reasoning_gym_demo,
+    "vision.yaml": vision_demo,
+    "recipes/qwen2.5-vl-3b_geometry3k.yaml": geometry3k_recipe,
     # Stage 1 starts from the shipped model, passed by run_pipeline.sh as BASE.
     "pipeline/1_cold_start_sft.yaml": pipeline_stage(
         "1_cold_start_sft", SFTCLI, stage1, "--model.model_name_or_path", str(TINY_ARITH), *SFT_SMALL

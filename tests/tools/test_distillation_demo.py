@@ -45,3 +45,11 @@ def test_a_bad_variant_is_refused_before_any_run_starts(tmp_path):
     proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "--variant takes NAME=OVERRIDES" in proc.stderr
     assert not (tmp_path / "out").exists()  # no teacher trained, nothing written
+
+
+def test_skipping_every_run_is_refused_before_anything_trains(tmp_path):
+    script = Path(distillation_demo.__file__)
+    command = [sys.executable, str(script), "--out", str(tmp_path / "out"), "--no-grpo", "--no-distillation"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "nothing to run: --no-grpo and --no-distillation leave no run" in proc.stderr
+    assert not (tmp_path / "out").exists()

@@ -5,6 +5,7 @@ row and the column named; prompts with images encoded per row, left-padded, one 
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,3 +104,36 @@ def test_prompts_encode_per_row_left_padded_with_each_rows_own_image_inputs(tiny
         assert all(torch.equal(alone_vision[0][k], vision[row][k]) for k in vision[row])
     counts = (ids == image_token).sum(-1)
     assert counts[1] == 0 and counts[2] > counts[0] > 0
+
+
+def test_no_module_imports_pillow_at_import_time():
+    """Pillow is the ``vision`` extra, and every run imports the vision modules: none may import PIL at module level
+    (outside ``if TYPE_CHECKING``), or a text-only install fails to start."""
+    import ast
+
+    package = Path(__file__).resolve().parents[2] / "grpo_lightning"
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:  # module level only: functions import it when called
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(name == "PIL" or name.startswith("PIL.") for name in names):
+                found.append(f"{path.relative_to(package)}:{node.lineno}")
+    assert not found, found
+
+
+def test_an_image_read_without_pillow_is_one_line_naming_the_extra(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_pil(name, *args, **kwargs):
+        if name == "PIL" or name.startswith("PIL."):
+            raise ModuleNotFoundError("No module named 'PIL'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_pil)
+    with pytest.raises(
+        ImportError, match=r"^images need Pillow, which is not installed: pip install 'grpo_lightning\[vision\]'"
+    ):
+        load_image(b"not an image")
