@@ -44,10 +44,16 @@ def _config_dict(name: str) -> dict[str, Any] | None:
             return json.loads(path.read_text())
         except ValueError:
             return None
-    try:  # a Hub name: its config, from the cache or the Hub (loading reports any failure in its own words)
-        from transformers import AutoConfig
+    from transformers import AutoConfig
 
+    # A Hub name: its config, from the cache or the Hub. An OSError (not on the Hub, no network) goes up to the
+    # caller's one line (``models/build.py: load_tokenizer``): swallowed, the tokenizer's load would then wait on
+    # the same unreachable Hub a second time. Anything else (a config transformers cannot read without remote
+    # code) is left to the text model's loading to report.
+    try:
         return AutoConfig.from_pretrained(name).to_dict()
+    except OSError:
+        raise
     except Exception:
         return None
 

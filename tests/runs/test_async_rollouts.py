@@ -102,7 +102,9 @@ def assert_same_tensors(reference, resumed):
         assert torch.equal(module.state_dict()[name], value), name
 
 
-@pytest.mark.parametrize("lag", [0, 1, 2])
+# Lag 2 holds two rounds sampled ahead in the checkpoint, lag 1's case and more; lag 1 resumed exactly through the
+# command line, at the default threads: test_determinism.py.
+@pytest.mark.parametrize("lag", [0, 2])
 def test_round_k_trains_on_version_k_minus_the_lag_and_three_plus_three_rounds_equal_six(tmp_path, lag):
     """``test_resume``'s recipe (a reward reading every global RNG, adaptive β, a moving reference, warm-up) with an
     engine that signs each completion with its weights: in the uninterrupted run and in one stopped after 3 rounds
