@@ -150,7 +150,10 @@ def forward_inputs(
     base = base_model(model)
     inputs = generation_inputs(model, rows, input_ids)
     rope_index = getattr(getattr(base, "model", base), "get_rope_index", None)
-    if callable(rope_index) and "mm_token_type_ids" in inputs:
+    if callable(rope_index) and "mm_token_type_ids" in inputs and "video_grid_thw" not in inputs:
+        types = inputs["mm_token_type_ids"]
+        inputs["position_ids"] = mrope_positions(rope_index, rows, input_ids, types, attention_mask)
+    elif callable(rope_index) and "mm_token_type_ids" in inputs:
         inputs["position_ids"] = rope_index(
             input_ids,
             mm_token_type_ids=inputs["mm_token_type_ids"],
@@ -161,3 +164,57 @@ def forward_inputs(
     else:
         inputs["position_ids"] = mask_positions(attention_mask)
     return inputs
+
+
+def mrope_positions(
+    rope_index: Any, rows: Sequence[Mapping[str, Tensor]], input_ids: Tensor, types: Tensor, attention_mask: Tensor
+) -> Tensor:
+    """The Qwen-VL family's 3-D positions of ``input_ids`` (left-padded rows with images, no video), equal to
+    ``rope_index`` (the model's ``get_rope_index``) over the whole batch, for a fraction of its cost: it is a Python
+    loop over every row and every run of tokens, and the G rows of a prompt share everything up to their last image.
+    So it runs once per distinct head (the real tokens up to the last image token, and that row's image grids), with
+    one text token after it; a row's later tokens are text, whose positions count on from that token's by one
+    (the rule of ``get_rope_index`` after an image, whatever the model's), and a text-only row's count from 0.
+    Padding gets 0, as ``get_rope_index`` gives it. Rows whose real tokens are not one run (never in a padded batch
+    of prompt + completion) go through ``rope_index`` itself."""
+    batch, length = input_ids.shape
+    columns = torch.arange(length, device=input_ids.device)
+    real = attention_mask.bool()
+    first = torch.where(real.any(1), real.int().argmax(1), 0)
+    end = first + real.sum(1)
+    if not torch.equal((real * (columns + 1)).amax(1), torch.where(real.any(1), end, 0)):  # not one run per row
+        grids = [row["image_grid_thw"] for row in rows if "image_grid_thw" in row]
+        grid = torch.cat(grids).to(input_ids.device) if grids else None
+        return rope_index(input_ids, mm_token_type_ids=types, image_grid_thw=grid, attention_mask=attention_mask)[0]
+    vision = types != 0
+    cut = torch.where(vision.any(1), (vision * (columns + 1)).amax(1), first)  # one past the last image token
+    positions = torch.zeros(3, batch, length, dtype=input_ids.dtype, device=input_ids.device)
+    starts = torch.zeros(3, batch, dtype=input_ids.dtype, device=input_ids.device)
+    heads: dict[tuple, tuple[Tensor, Tensor]] = {}
+    ids, first_at, cut_at = input_ids.cpu().numpy(), first.tolist(), cut.tolist()
+    for index, row in enumerate(rows):
+        f, c = first_at[index], cut_at[index]
+        if c == f:  # text only: positions count from 0 on every axis
+            continue
+        grid = row.get("image_grid_thw")
+        key = (ids[index, f : c + 1].tobytes(), None if grid is None else grid.cpu().numpy().tobytes())
+        if key not in heads:
+            head_ids, head_types = input_ids[index, f : c + 1], types[index, f : c + 1]
+            heads[key] = _head_positions(rope_index, head_ids, head_types, grid, c - f)
+        head, start = heads[key]
+        positions[:, index, f:c] = head
+        starts[:, index] = start
+    tail = starts.unsqueeze(-1) + (columns.view(1, 1, -1) - cut.view(1, -1, 1))
+    in_tail = (columns.view(1, -1) >= cut.view(-1, 1)) & (columns.view(1, -1) < end.view(-1, 1))
+    return torch.where(in_tail.unsqueeze(0), tail, positions)
+
+
+def _head_positions(
+    rope_index: Any, ids: Tensor, kinds: Tensor, grid: Tensor | None, cut: int
+) -> tuple[Tensor, Tensor]:
+    """``rope_index``'s positions of a row's first ``cut`` tokens (through its last image) and the first text token's
+    after them (``ids`` holds it, when the row has one; else its position is never used)."""
+    grid = grid.to(ids.device) if grid is not None else None
+    out = rope_index(ids.view(1, -1), mm_token_type_ids=kinds.view(1, -1), image_grid_thw=grid)[0][:, 0]
+    start = out[:, cut] if out.shape[1] > cut else out[:, cut - 1] + 1
+    return out[:, :cut], start

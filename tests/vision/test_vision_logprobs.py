@@ -78,3 +78,28 @@ def test_qwen2_vl_positions_are_the_models_own_under_left_padding(tiny_vlms):
         image_grid_thw=vision[0]["image_grid_thw"],
     )  # fmt: skip
     torch.testing.assert_close(alone, own)
+
+
+def test_qwen2_vl_positions_once_per_prompt_equal_the_models_over_the_whole_batch(tiny_vlms):
+    """``forward_inputs`` computes the 3-D positions once per prompt head and counts the rest on: equal, exactly, to
+    the model's own ``get_rope_index`` over the whole batch of prompts + completions, G rows a prompt (rows that
+    share their head, rows that do not), a text-only row, a two-image row, other paddings."""
+    from grpo_lightning.vision.inputs import modality_types, repeat_rows
+
+    model, (prompt_ids, prompt_mask, _, _), vision = _rollout(tiny_vlms["qwen2_vl"])
+    group = 3
+    ids, mask = prompt_ids.repeat_interleave(group, 0), prompt_mask.repeat_interleave(group, 0)
+    rows = repeat_rows(vision, group)
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 9, (len(rows),), generator=generator)
+    completion_mask = (torch.arange(8)[None] < lengths[:, None]).long()
+    completion_ids = torch.randint(3, 60, (len(rows), 8), generator=generator) * completion_mask
+    input_ids, attention = torch.cat([ids, completion_ids], 1), torch.cat([mask, completion_mask], 1)
+    fast = forward_inputs(model, rows, input_ids, attention)["position_ids"]
+    grids = [row["image_grid_thw"] for row in rows if "image_grid_thw" in row]
+    own, _ = model.model.get_rope_index(
+        input_ids, mm_token_type_ids=modality_types(model, input_ids), image_grid_thw=torch.cat(grids),
+        attention_mask=attention,
+    )  # fmt: skip
+    real = attention.bool()
+    assert torch.equal(fast[:, real], own[:, real]) and not torch.equal(fast[0], fast[1])
