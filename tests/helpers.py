@@ -149,3 +149,37 @@ def attach(module: Any, data: Any, trainer: Any, fn: Any = None) -> None:
     trainer.state.fn = fn or TrainerFn.FITTING
     if hasattr(data, "collector"):
         data.collector.connect(module, trainer, data)
+
+
+def run_on_two_processes(script: str, out: Path, *args: str, outputs: list[str], timeout_s: int = 600) -> None:
+    """Run ``script`` (a test file that is its own torchrun worker) on 2 processes with ``torch.distributed.run``,
+    ``out`` and ``args`` as its arguments, one intra-op thread each; fails the test, with both streams' tails, on a
+    hang (the whole process group killed) or an exit without every file of ``outputs`` (names under ``out``)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import pytest
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    command += [script, str(out), *args]
+    # A session of its own: on a timeout the whole process group goes, torchrun's workers included.
+    process = subprocess.Popen(
+        command,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"2-process worker did not finish in {timeout_s} s (a hang):\n{stdout[-3000:]}\n{stderr[-6000:]}")
+    if process.returncode != 0 or not all((out / name).exists() for name in outputs):
+        pytest.fail(f"2-process worker failed ({process.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}")

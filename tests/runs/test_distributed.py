@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
 import zlib
 from datetime import timedelta
@@ -21,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import checksum_reward, load_tool, save_tiny_llama
+from helpers import checksum_reward, load_tool, run_on_two_processes, save_tiny_llama
 from lightning import Callback, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -304,21 +302,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def two_processes(tmp_path_factory: pytest.TempPathFactory, model_dir: str) -> tuple[Path, dict[str, Any]]:
     """Launch the worker on 2 processes once; its output folder and results."""
     out = tmp_path_factory.mktemp("dist-runs")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
-    command += [__file__, str(out), model_dir]
-    # A session of its own: on a timeout the whole process group goes, torchrun's workers included.
-    process = subprocess.Popen(
-        command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"2-process worker did not finish in 600 s (a hang):\n{stdout[-3000:]}\n{stderr[-6000:]}")
-    if process.returncode != 0 or not (out / "results.json").exists():
-        pytest.fail(f"2-process worker failed ({process.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
+    run_on_two_processes(__file__, out, model_dir, outputs=["results.json"])
     return out, json.loads((out / "results.json").read_text())
 
 

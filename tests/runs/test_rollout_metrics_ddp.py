@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import warnings
 from datetime import timedelta
@@ -22,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import run_on_two_processes
 from lightning import Callback, Trainer
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import DDPStrategy
@@ -161,22 +160,8 @@ def worker(out: Path) -> None:
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Launch the worker on 2 processes; what each rank recorded."""
     out = tmp_path_factory.mktemp("metrics-ddp")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
-    command += [__file__, str(out)]
-    # A session of its own: on a timeout the whole process group goes, torchrun's workers included.
-    process = subprocess.Popen(
-        command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"2-process worker did not finish in 300 s (a hang):\n{stdout[-3000:]}\n{stderr[-6000:]}")
+    run_on_two_processes(__file__, out, outputs=[f"rank{r}.json" for r in range(WORLD)], timeout_s=300)
     files = [out / f"rank{r}.json" for r in range(WORLD)]
-    if process.returncode != 0 or not all(f.exists() for f in files):
-        pytest.fail(f"2-process worker failed ({process.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
     return [json.loads(f.read_text()) for f in files]
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -20,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import run_on_two_processes
 from lightning import Callback, Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,21 +114,7 @@ def fsdp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model_dir, data_file = build_tiny_vlm("qwen2_vl", folder / "qwen2_vl"), count_file(folder, rows=8)
     out = folder / "out"
     out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
-    command += [__file__, str(out), str(model_dir), data_file]
-    # A session of its own: on a timeout the whole process group goes, torchrun's workers included.
-    process = subprocess.Popen(
-        command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"2-process worker did not finish in 600 s (a hang):\n{stdout[-3000:]}\n{stderr[-6000:]}")
-    if process.returncode != 0 or not (out / "results.json").exists():
-        pytest.fail(f"2-process worker failed ({process.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
+    run_on_two_processes(__file__, out, str(model_dir), data_file, outputs=["results.json"])
     return json.loads((out / "results.json").read_text())
 
 
