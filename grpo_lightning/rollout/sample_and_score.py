@@ -25,7 +25,6 @@ from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.rollout.multiturn import generate_trajectories
 from grpo_lightning.rollout.prompts import PromptEncoder
 from grpo_lightning.vision.engines import check_vision_run
-from grpo_lightning.vision.images import images_of_rows
 from grpo_lightning.vision.inputs import repeat_rows
 
 log = logging.getLogger(__name__)
@@ -134,10 +133,10 @@ def sample_and_score(
         max_new_tokens=params.max_new_tokens,
     )
     # A vision-language model's rows: each one's image inputs (a trajectory's are its prompt's) and, for the logs'
-    # tables, its prompt's images.
+    # tables, its prompt's images, as the encoder read them (``SourcedRow.images``: not decoded again).
     vision = repeat_rows(vision, group_size) if vision is not None else trajectories and trajectories.vision
     if vision is not None:
-        batch.vision, batch.images = vision, repeat_each(images_of_rows(rows), group_size)
+        batch.vision, batch.images = vision, [row.images for row in vision]
     batch.unscorable = torch.tensor(scores.unscorable or [False] * len(texts), device=batch.rewards.device)
     batch.reward_log = dict(scores.metrics)
     batch.extra_columns = logged_columns(scores.extra_columns, len(texts))
