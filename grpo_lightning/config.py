@@ -29,7 +29,8 @@ class SamplingConfig:
     """How completions are sampled from the policy at rollout time."""
 
     group_size: int = 8
-    """G: completions sampled per prompt; advantages compare completions within a group."""
+    """G: completions sampled per prompt; advantages compare completions within a group. 1 only for on-policy
+    distillation alone (``model.teacher``, no reward of weight > 0): its signal is per sample, a group's is 0."""
     max_new_tokens: int = 64
     """Completion length limit in tokens; longer completions are truncated (and flagged as such)."""
     min_new_tokens: int = 0
@@ -57,10 +58,10 @@ class SamplingConfig:
         return SamplingParams(**{**values, **changes})
 
     def __post_init__(self) -> None:
-        if self.group_size < 2:
+        if self.group_size < 1:
             raise ConfigError(
-                f"data.sampling.group_size must be at least 2 (got {self.group_size}): GRPO compares each "
-                "completion with the others of its group"
+                f"data.sampling.group_size must be at least 1 (got {self.group_size}); 2 or more for the rewards: "
+                "GRPO compares each completion with the others of its group"
             )
         if self.max_new_tokens < 1:
             raise ConfigError(f"data.sampling.max_new_tokens must be at least 1 (got {self.max_new_tokens})")

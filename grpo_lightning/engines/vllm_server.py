@@ -49,6 +49,7 @@ from grpo_lightning.vision.vllm_inputs import (
     image_token_id,
     placeholder_bias,
 )
+from grpo_lightning.vision.vllm_weights import vllm_name
 
 SERVE_FLAGS = (
     "VLLM_SERVER_DEV_MODE=1 vllm serve <model> --logprobs-mode processed_logprobs --weight-transfer-config "
@@ -212,9 +213,11 @@ class VLLMServerEngine(RolloutEngine):
         """Push the policy's weights to every server (from trainer rank 0; the other ranks join the gathers)."""
         rank = _rank()
         _barrier()  # every rank is done sampling from the servers' current weights
-        weights = policy_weights(policy)
+        # Under the names vLLM's loader wants where they differ (a LLaVA tower's: vision/vllm_weights.py).
+        config = getattr(policy, "config", None)
+        weights = ((vllm_name(config, name), tensor) for name, tensor in policy_weights(policy))
         if rank == 0:
-            meta = list(policy_weights_meta(policy))
+            meta = [(vllm_name(config, name), dtype, shape) for name, dtype, shape in policy_weights_meta(policy)]
             self._weight_channel().push(weights, meta, version)
             for server in self.servers if self.placeholders else []:  # image features of the old vision weights
                 server.post("/reset_encoder_cache", {})

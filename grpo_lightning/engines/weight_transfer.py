@@ -230,7 +230,7 @@ class WeightChannel:
                     raise RuntimeError(f"the weight {name} does not match its announced {expected} {dtype} {shape}")
                 if any(r.done() for r in receiving):  # a server stopped receiving: do not wait out the time limit
                     raise RuntimeError(f"a server stopped receiving before {name}")
-                self._broadcast(tensor)
+                self._send(name, tensor, receiving)
         except Exception as err:
             self.group = None  # a broken group cannot be used again
             raise self._failure(receiving, "sending the weights", err) from None
@@ -238,6 +238,20 @@ class WeightChannel:
         finishing = [background(finish_update, s, str(version), held) for s, held in zip(self.servers, before)]
         self._settle(finishing, "finishing the weight update")
         self._settle([background(clear_prefix_cache, s) for s in self.servers], "clearing the prefix cache")
+
+    def _send(self, name: str, tensor: Tensor, receiving: list[Future]) -> None:
+        """Broadcast one weight. Over gloo, the broadcast runs in a thread while the servers' requests are watched:
+        a server that fails on this very weight (vLLM refusing its name, say) never joins the broadcast, which
+        would otherwise block for the whole time limit (``push_timeout_s``) before the server's error is read."""
+        if self.transport != "gloo":  # NCCL's broadcast is queued on the stream and returns at once
+            self._broadcast(tensor)
+            return
+        sending = background(self._broadcast, tensor)
+        while not sending.done():
+            if any(r.done() and r.exception() is not None for r in receiving):
+                raise RuntimeError(f"a server failed while receiving {name}")
+            wait([sending], timeout=0.05)
+        sending.result()
 
     def _broadcast(self, tensor: Tensor) -> None:
         if self.transport == "gloo":

@@ -135,6 +135,16 @@ class RolloutCollector:
         policy = self.policy  # after the strategy's checks, which need no model
         rewards_teach = self.environment is not None or any(spec.weight for spec in self.scorer.specs)
         policy.check_teacher(self.sampling.temperature, rewards_teach)  # and a weight schedule that stops it
+        if self.sampling.group_size == 1 and (rewards_teach or policy.distillation_weight is None):
+            raise ConfigError(
+                "data.sampling.group_size 1 gives every reward a zero advantage (a group of one has no baseline); "
+                "set group_size >= 2, or use it with model.teacher and data.rewards of weight 0"
+            )
+        if self.sampling.group_size == 1 and self.dynamic_sampling:
+            raise ConfigError(
+                "data.dynamic_sampling drops every group whose rewards tie, and a group of one always ties: set "
+                "data.dynamic_sampling false with data.sampling.group_size 1"
+            )
         check_vision_run(policy.tokenizer, self.engine, self.environment)
         if not self.scorer.specs and self.environment is None and policy.distillation_weight is None:
             raise ConfigError(

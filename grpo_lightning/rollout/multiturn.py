@@ -202,7 +202,11 @@ def _generate(
             first = trajectory.env.reset(row)
             own, tools = trajectory.env.trajectory_prompt(row["prompt"]), trajectory.env.prompt_tools(row)
             if tools or own is not row["prompt"]:
-                trajectory.prompt = encoder.trajectory_ids(own, tools, row)  # a VLM's: its images' tokens too
+                if isinstance(encoder, VisionPromptEncoder):
+                    # its images' tokens too, and image inputs that know this prompt: vLLM is given it unexpanded
+                    trajectory.prompt, trajectory.vision = encoder.trajectory_inputs(own, tools, row)
+                else:
+                    trajectory.prompt = encoder.trajectory_ids(own, tools, row)
                 trajectory.source, rendered = own, True
             if first:
                 observed = observation_ids(environment, first, tokenizer)

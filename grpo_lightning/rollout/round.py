@@ -300,6 +300,8 @@ def compute_advantages(
     reward scores steps (outcome part added to each)."""
     config, group_size = settings.advantage, settings.sampling.group_size
     advantages = None
+    if group_size == 1:  # no group to compare with: the teacher alone teaches (check_before_fit refuses the rest)
+        return advantages
     if batch.reward_columns and config.multi_objective_aggregation == "normalize_then_sum":
         advantages = gdpo_advantages(batch, settings, all_gather)
     elif batch.reward_columns:  # outcome rewards

@@ -114,8 +114,16 @@ class VisionPromptEncoder(PromptEncoder):
     def trajectory_ids(self, prompt: Any, tools: list[dict[str, Any]] | None, row: Mapping[str, Any]) -> list[int]:
         """A multi-turn trajectory's own prompt (an environment's, ``PromptEncoder.trajectory_ids``), each image
         marker expanded for its dataset ``row``'s images (their inputs are the row's prompt's: the same images)."""
+        return self.trajectory_inputs(prompt, tools, row)[0]
+
+    def trajectory_inputs(
+        self, prompt: Any, tools: list[dict[str, Any]] | None, row: Mapping[str, Any]
+    ) -> tuple[list[int], VisionRow]:
+        """``trajectory_ids`` and the trajectory's image inputs: the row's prompt's tensors, with this prompt's own
+        ids kept beside (unexpanded and expanded: a vLLM engine is given the trajectory's context as this prompt
+        written unexpanded and what follows it, ``vision/vllm_inputs.py: engine_prompts``)."""
         images = images_of_rows({name: [value] for name, value in row.items()})[0]
-        return self.text_inputs(self.render(prompt, tools), images)[0]
+        return self.text_inputs(self.render(prompt, tools), images)
 
     def rendered_lengths(self, rendered: list[str], data: Any) -> list[int]:
         """Each row's prompt length as the model reads it: its text's tokens, plus what the processor expands each

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import io
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -175,19 +174,3 @@ def generated_rows(answer: Mapping[str, Any], logprobs: bool) -> list[tuple[list
         (list(c["token_ids"]), [step["logprob"] for step in c["logprobs"]["content"]] if logprobs else [])
         for c in choices
     ]
-
-
-def vllm_load_problem(model: Any) -> str | None:
-    """Why vLLM (0.32) cannot load this vision-language ``model``'s weights, or None.
-
-    LLaVA's CLIP tower as transformers 5 names it (``vision_tower.embeddings.*``, in its saved folder and in every
-    push): vLLM's LLaVA loader wants ``vision_tower.vision_model.*`` and refuses the folder with an error of its own.
-    """
-    if getattr(model.config, "model_type", None) != "llava":
-        return None
-    if any(re.search(r"(^|\.)vision_tower\.embeddings\.", name) for name, _ in model.named_parameters()):
-        return (
-            "its LLaVA vision tower is named vision_tower.embeddings.* (transformers 5), and vLLM's LLaVA loader "
-            "wants vision_tower.vision_model.*; set data.engine: transformers"
-        )
-    return None

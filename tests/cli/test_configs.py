@@ -161,11 +161,11 @@ def stage5(runs: Path) -> None:
 
 
 def distillation(work: Path) -> tuple[type, list[str]]:
-    """The distillation demo: its student by absolute path, the teacher folder it names (the quickstart's export,
-    ``runs/quickstart/hf``) stood in by the quickstart's model."""
-    earlier_stage_model(work / "runs" / "quickstart" / "hf")
+    """The distillation demo: its student by absolute path, the teacher folder it names (the quickstart's longer
+    run, exported: ``runs/teacher/hf``) stood in by the quickstart's model."""
+    earlier_stage_model(work / "runs" / "teacher" / "hf")
     args = ["--config", str(CONFIGS / "distillation.yaml"), "--model.model_name_or_path", str(TINY_ARITH)]
-    return GRPOCLI, [*args, *SMALL_ROUND]
+    return GRPOCLI, [*args, "--data.prompts_per_round", "8", "--data.mini_batch_size", "16"]  # its 2 samples a prompt
 
 
 def tools_calculator(work: Path) -> tuple[type, list[str]]:

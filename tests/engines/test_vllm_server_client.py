@@ -19,8 +19,8 @@ from grpo_lightning.engines.weight_transfer import clear_prefix_cache, finish_up
 
 
 class StandIn(BaseHTTPRequestHandler):
-    """Answers each request with the next planned (status, body); ``sleep`` delays an answer, ``drop`` closes the
-    connection without one (a reply lost on the way)."""
+    """Answers each request with the next planned (status, body); ``sleep`` delays an answer, ``late`` delays the
+    answer it holds, ``drop`` closes the connection without one (a reply lost on the way)."""
 
     plan: list = []
     seen: list = []
@@ -42,6 +42,9 @@ class StandIn(BaseHTTPRequestHandler):
         if status == "sleep":
             threading.Event().wait(answer)
             status, answer = 200, {}
+        if status == "late":  # (seconds, status, body)
+            threading.Event().wait(answer[0])
+            status, answer = answer[1:]
         reply(self, status, json.dumps(answer).encode())
 
     def log_message(self, *args) -> None:
@@ -138,3 +141,29 @@ def test_a_push_ends_only_once_the_prefix_cache_is_cleared(stand_in):
     StandIn.plan = [(200, {"success": False})] * 2
     with pytest.raises(ServerError, match=rf"^the vLLM server {stand_in} did not clear its prefix cache after 2 tries"):
         clear_prefix_cache(client(stand_in), attempts=2)
+
+
+def test_a_server_that_fails_on_a_weight_ends_the_push_at_once_not_at_the_time_limit(stand_in, monkeypatch):
+    """A server refusing a weight it is sent (vLLM: a name its model has no parameter for) never joins that
+    weight's broadcast, which blocks over gloo until the group's time limit: the push must end on the server's own
+    error at once, not after ``push_timeout_s`` (600 s by default)."""
+    import time
+
+    import torch
+
+    from grpo_lightning.engines.weight_transfer import WeightChannel
+
+    blocked = threading.Event()
+    channel = WeightChannel([client(stand_in)], transport="gloo", address="127.0.0.1", port=0, timeout_s=60.0)
+    channel.group = object()  # formed: the broadcast below stands in for gloo's
+    monkeypatch.setattr(channel, "_broadcast", lambda tensor: blocked.wait(60.0))  # the server never joins
+    refused = (400, {"error": {"message": "There is no module or parameter named 'vision_tower.embeddings'"}})
+    # /update_weights refuses while the first weight is being sent (the check before each weight has passed)
+    StandIn.plan = [(200, {"weight_version": "3"}), (200, {}), ("late", (0.5, *refused))]
+    weight = torch.zeros(2)
+    started = time.monotonic()
+    with pytest.raises(ServerError, match="no module or parameter named 'vision_tower.embeddings'"):
+        channel.push([("vision_tower.embeddings.w", weight)], [("vision_tower.embeddings.w", weight.dtype, (2,))], 4)
+    assert time.monotonic() - started < 10.0 and channel.group is None
+    assert [path for path, _ in StandIn.seen] == ["/weight_info", "/start_weight_update", "/update_weights"]
+    blocked.set()

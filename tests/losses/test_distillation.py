@@ -7,6 +7,8 @@ log-probs reach each token's advantage.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import TINY, quiet_trainer
@@ -161,6 +163,54 @@ def test_no_rewards_with_a_teacher_is_the_teacher_alone_and_without_one_is_refus
     rollout = taught.last_rollout
     assert taught.scorer.names == [] and not any(name.startswith("reward/") for name in rollout.metrics)
     assert rollout.advantages[rollout.loss_mask.bool()].abs().min() > 0  # the teacher's signal alone
+
+
+def test_one_sample_per_prompt_is_the_teacher_alone_and_is_refused_where_a_reward_would_teach(tmp_path, teacher_dir):
+    """``data.sampling.group_size`` 1: a group of one has no baseline, so every reward's advantage would be 0. With
+    a teacher and the rewards at weight 0 it is on-policy distillation on more prompts (each token's advantage the
+    log-prob gap, finite metrics); with a reward that would teach, or without a teacher, refused in one line before
+    any model loads; 0 is refused when the config is read."""
+    from grpo_lightning.models.logprobs import completion_logprobs
+
+    def data(weight: float, dynamic_sampling: bool = False) -> RolloutDataModule:
+        return RolloutDataModule(
+            dynamic_sampling=dynamic_sampling,
+            rewards=[RewardSpec("exact_answer", weight=weight)],
+            sampling=SamplingConfig(group_size=1, max_new_tokens=4),
+            prompts_per_round=4,
+            val_split=None,
+        )
+
+    message = r"^data.sampling.group_size 1 gives every reward a zero advantage .* set group_size >= 2, or use it "
+    for name, module, weight in [
+        ("untaught", GRPOModule(tiny_model=TINY), 1.0),
+        ("rewarded", GRPOModule(tiny_model=TINY, teacher=TeacherConfig(teacher_dir)), 1.0),
+    ]:
+        with pytest.raises(ConfigError, match=message) as err:
+            quiet_trainer(tmp_path / name, max_epochs=1).fit(module, datamodule=data(weight))
+        assert "\n" not in str(err.value)
+        assert module.teacher is None or module.teacher.model is None  # before any teacher loads
+    with pytest.raises(ConfigError, match=r"^data.sampling.group_size must be at least 1 \(got 0\)"):
+        SamplingConfig(group_size=0)
+    dynamic = data(0.0, dynamic_sampling=True)
+    with pytest.raises(
+        ConfigError, match=r"^data.dynamic_sampling drops every group .* with data.sampling.group_size 1"
+    ):
+        teacher_module = GRPOModule(tiny_model=TINY, teacher=TeacherConfig(teacher_dir))
+        quiet_trainer(tmp_path / "dynamic", max_epochs=1).fit(teacher_module, datamodule=dynamic)
+
+    module = GRPOModule(tiny_model=TINY, objective=ObjectiveConfig(beta=0.0), teacher=TeacherConfig(teacher_dir))
+    taught = data(0.0)
+    quiet_trainer(tmp_path / "taught", max_epochs=1).fit(module, datamodule=taught)
+    rollout = taught.last_rollout
+    assert len(rollout) == 4  # one completion for each of the round's 4 prompts
+    args = (rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask)
+    with torch.no_grad():
+        teacher = completion_logprobs(module.teacher.model, *args, temperature=rollout.temperature)[0]
+    assert torch.allclose(rollout.advantages, (teacher - rollout.old_logprobs) * rollout.loss_mask, atol=1e-5)
+    metrics = rollout.metrics
+    assert all(math.isfinite(value) for value in metrics.values()), metrics
+    assert metrics["rollout/zero_std_group_fraction"] == 1.0 and "reward/exact_answer" in metrics
 
 
 @pytest.mark.parametrize("teacher_temperature", [None, 0.5])

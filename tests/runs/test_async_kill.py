@@ -56,6 +56,11 @@ def start(cwd: Path, *args: str, slow: float = 0.0) -> subprocess.Popen:
         **os.environ,
         "WANDB_MODE": "offline",
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ["PYTHONPATH"]]),  # the test folders (conftest)
+        # The default threads of a 2-core machine (the suite's own are 1): at lag 1 one for the background process,
+        # one for the update. Passive waiting: two fits run side by side (OpenMP's spinning would slow both).
+        "OMP_NUM_THREADS": "2",
+        "MKL_NUM_THREADS": "2",
+        "OMP_WAIT_POLICY": "PASSIVE",
         "GRPO_TEST_CALLS": str(cwd / "calls.txt"),
         "GRPO_TEST_SLOW_AT": str(KILL_AT_CALL) if slow else "",
         "GRPO_TEST_SLOW_S": str(slow),

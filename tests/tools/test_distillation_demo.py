@@ -39,17 +39,17 @@ def test_a_variant_is_a_name_and_its_overrides_split_as_a_shell_splits_them():
             distillation_demo.parse_variant(bad)
 
 
-def test_a_bad_variant_is_refused_before_any_run_starts(tmp_path):
-    script = Path(distillation_demo.__file__)
-    command = [sys.executable, str(script), "--out", str(tmp_path / "out"), "--variant", "broken"]
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--variant", "broken"], "--variant takes NAME=OVERRIDES"),
+        (["--no-grpo", "--no-distillation"], "nothing to run: --no-grpo and --no-distillation leave no run"),
+        (["--teacher-overrides", "--model.lr '1e-3"], "--teacher-overrides: No closing quotation"),
+    ],
+    ids=["bad-variant", "nothing-to-run", "unsplittable-overrides"],
+)
+def test_bad_arguments_are_refused_before_anything_trains(tmp_path, args, message):
+    command = [sys.executable, str(Path(distillation_demo.__file__)), "--out", str(tmp_path / "out"), *args]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "--variant takes NAME=OVERRIDES" in proc.stderr
+    assert proc.returncode != 0 and message in proc.stderr
     assert not (tmp_path / "out").exists()  # no teacher trained, nothing written
-
-
-def test_skipping_every_run_is_refused_before_anything_trains(tmp_path):
-    script = Path(distillation_demo.__file__)
-    command = [sys.executable, str(script), "--out", str(tmp_path / "out"), "--no-grpo", "--no-distillation"]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "nothing to run: --no-grpo and --no-distillation leave no run" in proc.stderr
-    assert not (tmp_path / "out").exists()

@@ -22,6 +22,7 @@ from grpo_lightning.models.logprobs import completion_logprobs
 from grpo_lightning.rollout.multiturn import generate_trajectories
 from grpo_lightning.rollout.sample_and_score import repeat_each
 from grpo_lightning.vision.models import vision_towers
+from grpo_lightning.vision.vllm_inputs import engine_prompts, image_token_id
 
 HINT = " Use the calculator."
 ROWS = {
@@ -83,6 +84,11 @@ def test_every_turn_is_sampled_and_scored_with_the_prompts_images(tiny_vlms, fam
         alone = encoder.text_inputs(encoder.render(EveryTurnCallsTheCalculator().trajectory_prompt(
             ROWS["prompt"][row // 2])), ROWS["images"][row // 2])[0]  # fmt: skip
         assert out.prompt_ids[row][out.prompt_mask[row].bool()].tolist() == alone
+        # its image inputs know that prompt: a vLLM engine is given its whole context, the prompt unexpanded
+        context = [*alone, *out.completion_ids[row][out.completion_mask[row].bool()].tolist()]
+        (request,) = engine_prompts([context], [trajectories.vision[row]], image_token_id(model.config))
+        assert request["prompt_token_ids"][-len(context) + len(alone) :] == context[len(alone) :]
+        assert HINT in encoder.tokenizer.decode(request["prompt_token_ids"])
     with torch.no_grad():
         trainer, _ = completion_logprobs(
             model, out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask, vision=trajectories.vision

