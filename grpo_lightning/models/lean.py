@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from grpo_lightning.models.cpu_packing import Packer, packed_linear, pass_packer
 from grpo_lightning.models.swiglu import swiglu_down
 
 try:
@@ -79,7 +80,8 @@ def lean_unsupported(model: nn.Module) -> str | None:
 
 
 class Projection(NamedTuple):
-    """A linear layer's tensors; ``packed``: its weight pre-packed for oneDNN (CPU decoding steps), else None."""
+    """A linear layer's tensors; ``packed``: its weight pre-packed for oneDNN (``models/cpu_packing.py``), else
+    None."""
 
     weight: Tensor
     bias: Tensor | None
@@ -116,43 +118,57 @@ class LayerWeights(NamedTuple):
     head_dim: int
     scaling: float
     silu: bool = False  # ``act`` is SiLU: the block runs as ``swiglu_down`` (half the saved activations)
+    qkv: Projection | None = None  # q, k and v stacked into one product (weights read with a ``Packer``)
+    gate_up: Projection | None = None  # gate and up stacked into one product
 
 
 def norm_weights(module: nn.Module) -> Norm:
     return Norm(module.weight, module.variance_epsilon)
 
 
-def decoder_weights(model: nn.Module, pack: Callable[[Tensor], Tensor | None] | None = None) -> list[LayerWeights]:
-    """Every decoder layer's ``LayerWeights``; ``pack`` (weight -> packed weight or None) pre-packs projections."""
+def decoder_weights(model: nn.Module, pack: Packer | None = None) -> list[LayerWeights]:
+    """Every decoder layer's ``LayerWeights`` (``layer_weights``)."""
+    return [layer_weights(layer, pack) for layer in model.model.layers]
 
-    def projection(linear: nn.Linear) -> Projection:
-        return Projection(linear.weight, linear.bias, pack(linear.weight) if pack is not None else None)
 
-    layers = []
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        qk_norm = hasattr(attn, "q_norm")
-        layers.append(
-            LayerWeights(
-                layer_idx=attn.layer_idx,
-                input_norm=norm_weights(layer.input_layernorm),
-                q=projection(attn.q_proj),
-                k=projection(attn.k_proj),
-                v=projection(attn.v_proj),
-                o=projection(attn.o_proj),
-                q_norm=norm_weights(attn.q_norm) if qk_norm else None,
-                k_norm=norm_weights(attn.k_norm) if qk_norm else None,
-                post_attention_norm=norm_weights(layer.post_attention_layernorm),
-                gate=projection(mlp.gate_proj),
-                up=projection(mlp.up_proj),
-                down=projection(mlp.down_proj),
-                act=mlp.act_fn,
-                head_dim=attn.head_dim,
-                scaling=attn.scaling,
-                silu=type(mlp.act_fn).__name__ in ("SiLU", "SiLUActivation"),
-            )
-        )
-    return layers
+def layer_weights(layer: nn.Module, pack: Packer | None = None) -> LayerWeights:
+    """A decoder layer's ``LayerWeights``. With ``pack`` (``models/cpu_packing.py``), the weights are copied
+    anyway: q, k, v are stacked into one product and gate, up into another (one call each instead of three and
+    two, larger products), and each weight is pre-packed where ``pack`` takes it."""
+    attn, mlp = layer.self_attn, layer.mlp
+
+    def projection(*linears: nn.Linear) -> Projection:
+        weight, bias = linears[0].weight, linears[0].bias
+        if len(linears) > 1:
+            weight = torch.cat([linear.weight.detach() for linear in linears])
+            bias = None if bias is None else torch.cat([linear.bias.detach() for linear in linears])
+        return Projection(weight, bias, pack(weight) if pack is not None else None)
+
+    # Stacked only where every part has a bias or none has (Qwen2's q, k, v all have one).
+    qkv_bias = {attn.q_proj.bias is None, attn.k_proj.bias is None, attn.v_proj.bias is None}
+    gate_up_bias = {mlp.gate_proj.bias is None, mlp.up_proj.bias is None}
+    stack_qkv, stack_gate_up = pack is not None and len(qkv_bias) == 1, pack is not None and len(gate_up_bias) == 1
+    qk_norm = hasattr(attn, "q_norm")
+    return LayerWeights(
+        layer_idx=attn.layer_idx,
+        input_norm=norm_weights(layer.input_layernorm),
+        q=Projection(attn.q_proj.weight, attn.q_proj.bias) if stack_qkv else projection(attn.q_proj),
+        k=Projection(attn.k_proj.weight, attn.k_proj.bias) if stack_qkv else projection(attn.k_proj),
+        v=Projection(attn.v_proj.weight, attn.v_proj.bias) if stack_qkv else projection(attn.v_proj),
+        o=projection(attn.o_proj),
+        q_norm=norm_weights(attn.q_norm) if qk_norm else None,
+        k_norm=norm_weights(attn.k_norm) if qk_norm else None,
+        post_attention_norm=norm_weights(layer.post_attention_layernorm),
+        gate=Projection(mlp.gate_proj.weight, mlp.gate_proj.bias) if stack_gate_up else projection(mlp.gate_proj),
+        up=Projection(mlp.up_proj.weight, mlp.up_proj.bias) if stack_gate_up else projection(mlp.up_proj),
+        down=projection(mlp.down_proj),
+        act=mlp.act_fn,
+        head_dim=attn.head_dim,
+        scaling=attn.scaling,
+        silu=type(mlp.act_fn).__name__ in ("SiLU", "SiLUActivation"),
+        qkv=projection(attn.q_proj, attn.k_proj, attn.v_proj) if stack_qkv else None,
+        gate_up=projection(mlp.gate_proj, mlp.up_proj) if stack_gate_up else None,
+    )
 
 
 def rms_norm(x: Tensor, norm: Norm) -> Tensor:
@@ -170,7 +186,7 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def linear(x: Tensor, p: Projection) -> Tensor:
     if p.packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, p.packed, p.bias, "none", [], "")
+        return packed_linear(x, p.packed, p.bias)
     return F.linear(x, p.weight, p.bias)
 
 
@@ -178,9 +194,13 @@ def _attention(
     w: LayerWeights, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | str | None, keys_values: KeyValueFn
 ) -> Tensor:
     rows, length, _ = x.shape
-    q = linear(x, w.q).view(rows, length, -1, w.head_dim)
-    k = linear(x, w.k).view(rows, length, -1, w.head_dim)
-    v = linear(x, w.v).view(rows, length, -1, w.head_dim).transpose(1, 2)
+    if w.qkv is not None:
+        q, k, v = linear(x, w.qkv).split([w.q.weight.size(0), w.k.weight.size(0), w.v.weight.size(0)], dim=-1)
+    else:
+        q, k, v = linear(x, w.q), linear(x, w.k), linear(x, w.v)
+    q = q.view(rows, length, -1, w.head_dim)
+    k = k.view(rows, length, -1, w.head_dim)
+    v = v.view(rows, length, -1, w.head_dim).transpose(1, 2)
     if w.q_norm is not None:
         q, k = rms_norm(q, w.q_norm), rms_norm(k, w.k_norm)
     q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
@@ -199,9 +219,13 @@ def _attention(
 
 
 def _mlp(w: LayerWeights, h: Tensor) -> Tensor:
+    if w.gate_up is not None:
+        gate, up = linear(h, w.gate_up).split([w.gate.weight.size(0), w.up.weight.size(0)], dim=-1)
+    else:
+        gate, up = linear(h, w.gate), linear(h, w.up)
     if w.silu and w.down.packed is None:
-        return swiglu_down(linear(h, w.gate), linear(h, w.up), w.down.weight, w.down.bias)
-    return linear(w.act(linear(h, w.gate)) * linear(h, w.up), w.down)
+        return swiglu_down(gate, up, w.down.weight, w.down.bias)
+    return linear(w.act(gate) * up, w.down)
 
 
 def decoder_hidden(
@@ -216,13 +240,18 @@ def decoder_hidden(
 
     ``mask`` ``[rows or 1, 1, S, K]`` (True = attend) covers the K keys that ``keys_values`` returns for each
     layer; None lets every position attend to every key; ``CAUSAL`` is causal attention among the S positions
-    (which must be all the keys). ``layers``: the model's ``decoder_weights``, when the caller keeps them.
+    (which must be all the keys). ``layers``: the model's ``decoder_weights``, when the caller keeps them; else
+    each layer's are read as it runs, pre-packed for a large pass without gradients on CPU (``pass_packer``: one
+    layer's packed weights alive at a time).
     """
     inner = model.model
     x = inner.embed_tokens(input_ids)
     cos, sin = inner.rotary_emb(x, positions)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    for w in layers if layers is not None else decoder_weights(model):
+    if layers is None:
+        pack = pass_packer(x, input_ids.numel())
+        layers = (layer_weights(layer, pack) for layer in inner.layers)
+    for w in layers:
         x = x + _attention(w, rms_norm(x, w.input_norm), cos, sin, mask, keys_values)
         x = x + _mlp(w, rms_norm(x, w.post_attention_norm))
     return x

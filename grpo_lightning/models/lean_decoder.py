@@ -1,17 +1,16 @@
 """Decoding on the lean forward: ``LeanDecoder`` (a shared prefill, or only the new tokens after kept keys and
-values, then one token per row into preallocated key and value buffers) and ``cpu_weight_packer`` (oneDNN's
-blocked weight layout for the decoding steps' products).
+values, then one token per row into preallocated key and value buffers), its weights read once for all steps
+(on CPU in oneDNN's blocked layout: ``models/cpu_packing.py``).
 
 The ``lean`` rollout engine (``grpo_lightning.engines.lean``) samples with it; ``models/lean.py`` holds the forward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor, nn
 
+from grpo_lightning.models.cpu_packing import PACK_MIN_ELEMENTS, cpu_weight_packer
 from grpo_lightning.models.lean import (
     Projection,
     decoder_hidden,
@@ -23,44 +22,13 @@ from grpo_lightning.models.lean import (
     run_prompts,
 )
 
-# Decoding steps on CPU pre-pack weights of at least this many elements (see ``cpu_weight_packer``).
-PACK_MIN_ELEMENTS = 1 << 18
-
-
-def cpu_weight_packer(rows: int, min_elements: int = PACK_MIN_ELEMENTS) -> Callable[[Tensor], Tensor | None] | None:
-    """``weight -> packed weight or None``: pre-packs weights in oneDNN's blocked layout for ``rows``-row products.
-
-    Why: a decoding step multiplies ``rows`` vectors by every weight matrix, so on CPU it is bound by reading the
-    weights from memory; the blocked layout streams them about 20% faster (measured on settings B of
-    ``tools/bench_trl.py``). Small weights stay in cache anyway and gain nothing: they, and weights off the CPU or
-    not in float32, are left as they are (None). The function is None when this torch build has no oneDNN. The
-    packing ops are torch's own (as used by ``torch.compile``'s CPU backend) but not public API, so a weight that
-    fails to pack is left as it is; ``tests/models/test_lean.py`` checks packed results against ``F.linear``.
-    """
-    if not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        torch.ops.mkldnn._linear_pointwise  # noqa: B018 (the product ``_linear`` computes on packed weights)
-    except (AttributeError, RuntimeError):
-        return None
-
-    def pack(weight: Tensor) -> Tensor | None:
-        if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.numel() < min_elements:
-            return None
-        try:
-            return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
-        except (AttributeError, RuntimeError):
-            return None
-
-    return pack
-
 
 class LeanDecoder:
     """Sampling steps on the lean forward: a shared prefill, then one token per row into preallocated buffers.
 
     ``prefill`` runs each prompt once and copies its keys and values into buffers sized for the whole completion,
     once per sample of its group; ``decode`` writes one position per step and attends to the filled part. On CPU,
-    large weights are pre-packed for the decoding steps (``cpu_weight_packer``).
+    weights are pre-packed for the decoding steps (``cpu_weight_packer``).
     """
 
     def __init__(self, model: nn.Module, pack_min_elements: int = PACK_MIN_ELEMENTS) -> None:
@@ -124,8 +92,10 @@ class LeanDecoder:
     def _start_decoding(self, last_hidden: Tensor, positions: Tensor, key_mask: Tensor | None) -> Tensor:
         """The logits of ``last_hidden``; the state ``decode`` starts from: ``positions`` ``[N, 1]`` of the decoding
         rows' last tokens, ``key_mask`` ``[N, capacity]`` (None: every column open)."""
-        # Read once for all decoding steps, with large weights pre-packed on CPU (``cpu_weight_packer``).
-        self.layers = decoder_weights(self.model, cpu_weight_packer(positions.size(0), self.pack_min_elements))
+        # Read once for all decoding steps; on CPU in float32, q, k, v (gate, up) stacked into one product and the
+        # weights pre-packed (``cpu_weight_packer``).
+        like = self.model.lm_head.weight
+        self.layers = decoder_weights(self.model, cpu_weight_packer(positions.size(0), self.pack_min_elements, like))
         self.positions, self.key_mask = positions, key_mask
         self.final_norm = norm_weights(self.model.model.norm)
         self.output = Projection(self.model.lm_head.weight, self.model.lm_head.bias)

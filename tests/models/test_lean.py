@@ -18,7 +18,9 @@ from transformers import (
 )
 
 from grpo_lightning.engines.lean import sample_completions
-from grpo_lightning.models.lean import Projection, lean_unsupported, prompt_groups, shared_prompt_hidden
+from grpo_lightning.models import cpu_packing
+from grpo_lightning.models import lean as lean_forward
+from grpo_lightning.models.lean import lean_unsupported, prompt_groups, shared_prompt_hidden
 from grpo_lightning.models.lean_decoder import LeanDecoder, cpu_weight_packer
 from grpo_lightning.models.logprobs import completion_logprobs, token_positions
 
@@ -78,8 +80,59 @@ def test_decoding_steps_give_the_model_logits(name, pack, padded):
         for step in range(completion_ids.size(1) - 1):
             logits.append(decoder.decode(completion_ids[:, step]))
         torch.testing.assert_close(torch.stack(logits, 1), expected, **F32)
-    projections = [p for layer in decoder.layers for p in layer if isinstance(p, Projection)]
-    assert all((p.packed is not None) == pack for p in projections)
+    # On CPU the decoder stacks q, k, v (gate, up) into one product each, and multiplies by the stacked weights
+    used = [p for layer in decoder.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    assert all(p is not None and (p.packed is not None) == pack for p in used)
+
+
+@pytest.mark.parametrize("name", LEAN_ARCHITECTURES)
+def test_a_large_pass_without_gradients_packs_its_weights_and_gives_the_model_logits(name, monkeypatch):
+    """A pass of at least ``PASS_MIN_TOKENS`` positions without gradients multiplies by weights packed layer by
+    layer (q, k, v and gate, up stacked, Qwen2's biases with them); with gradients, the same pass multiplies by the
+    parameters themselves (the packed product has no backward). Here the completions' pass has 16 x 71 positions,
+    the prompts' 8 x 8, too few to pack."""
+    model = build_architecture(name)
+    calls = []
+    real = cpu_packing.packed_linear
+    monkeypatch.setattr(lean_forward, "packed_linear", lambda *args: calls.append(args[1].shape) or real(*args))
+    torch.manual_seed(2)
+    prompt_ids = torch.randint(1, ARCHITECTURE_SIZE["vocab_size"], (8, 8))
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[3, :5] = 0
+    completion_ids = torch.randint(1, ARCHITECTURE_SIZE["vocab_size"], (16, 72))
+    assert completion_ids[:, :-1].numel() >= cpu_packing.PASS_MIN_TOKENS > prompt_ids.numel()
+    with torch.no_grad():
+        expected = reference_logits(model, prompt_ids, prompt_mask, completion_ids)
+        hidden = shared_prompt_hidden(
+            model, prompt_ids.repeat_interleave(2, 0), prompt_mask.repeat_interleave(2, 0), completion_ids
+        )
+        torch.testing.assert_close(model.lm_head(hidden), expected, **F32)
+    if cpu_weight_packer(rows=8) is None:
+        pytest.skip("this torch build cannot pre-pack CPU weights")
+    # The completion pass (not the 64-position prompt pass): 4 products per layer (qkv, o, gate_up, down)
+    assert len(calls) == 4 * model.config.num_hidden_layers
+    calls.clear()
+    hidden = shared_prompt_hidden(
+        model, prompt_ids.repeat_interleave(2, 0), prompt_mask.repeat_interleave(2, 0), completion_ids
+    )
+    hidden.sum().backward()
+    assert calls == [] and all(p.grad is not None for p in model.model.layers[0].parameters())
+
+
+def test_no_pass_packs_under_autocast_in_another_dtype_or_off_the_cpu():
+    """``pass_packer``: packed products bypass autocast and have no backward: only float32 CPU passes without
+    gradients, of at least ``PASS_MIN_TOKENS`` positions, get one."""
+    if cpu_weight_packer(rows=8) is None:
+        pytest.skip("this torch build cannot pre-pack CPU weights")
+    hidden, many = torch.zeros(1, 4), cpu_packing.PASS_MIN_TOKENS
+    with torch.no_grad():
+        assert cpu_packing.pass_packer(hidden, many) is not None
+        assert cpu_packing.pass_packer(hidden, many - 1) is None
+        assert cpu_packing.pass_packer(hidden.bfloat16(), many) is None
+        assert cpu_packing.pass_packer(hidden.to("meta"), many) is None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert cpu_packing.pass_packer(hidden, many) is None
+    assert cpu_packing.pass_packer(hidden, many) is None  # gradients enabled
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
