@@ -66,15 +66,9 @@ def pass_packer(hidden: Tensor, positions: int) -> Packer | None:
     """The ``Packer`` for a forward pass over ``positions`` positions whose first hidden states are ``hidden``;
     None (plain products) with gradients enabled, under CPU autocast, off the CPU, in another dtype than float32,
     or for fewer than ``PASS_MIN_TOKENS`` positions."""
-    if (
-        torch.is_grad_enabled()
-        or hidden.device.type != "cpu"
-        or hidden.dtype != torch.float32
-        or torch.is_autocast_enabled("cpu")
-        or positions < PASS_MIN_TOKENS
-    ):
+    if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or positions < PASS_MIN_TOKENS:
         return None
-    return cpu_weight_packer(positions, min_elements=0)
+    return cpu_weight_packer(positions, min_elements=0, like=hidden)
 
 
 def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:

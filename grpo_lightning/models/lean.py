@@ -144,30 +144,38 @@ def layer_weights(layer: nn.Module, pack: Packer | None = None) -> LayerWeights:
             bias = None if bias is None else torch.cat([linear.bias.detach() for linear in linears])
         return Projection(weight, bias, pack(weight) if pack is not None else None)
 
-    # Stacked only where every part has a bias or none has (Qwen2's q, k, v all have one).
-    qkv_bias = {attn.q_proj.bias is None, attn.k_proj.bias is None, attn.v_proj.bias is None}
-    gate_up_bias = {mlp.gate_proj.bias is None, mlp.up_proj.bias is None}
-    stack_qkv, stack_gate_up = pack is not None and len(qkv_bias) == 1, pack is not None and len(gate_up_bias) == 1
+    def stacked(*linears: nn.Linear) -> Projection | None:
+        # Where every part has a bias or none has (Qwen2's q, k, v all have one).
+        if pack is None or len({linear.bias is None for linear in linears}) > 1:
+            return None
+        return projection(*linears)
+
+    def part(linear: nn.Linear, stack: Projection | None) -> Projection:
+        # A stacked product's part is never multiplied alone: not packed.
+        return projection(linear) if stack is None else Projection(linear.weight, linear.bias)
+
+    qkv = stacked(attn.q_proj, attn.k_proj, attn.v_proj)
+    gate_up = stacked(mlp.gate_proj, mlp.up_proj)
     qk_norm = hasattr(attn, "q_norm")
     return LayerWeights(
         layer_idx=attn.layer_idx,
         input_norm=norm_weights(layer.input_layernorm),
-        q=Projection(attn.q_proj.weight, attn.q_proj.bias) if stack_qkv else projection(attn.q_proj),
-        k=Projection(attn.k_proj.weight, attn.k_proj.bias) if stack_qkv else projection(attn.k_proj),
-        v=Projection(attn.v_proj.weight, attn.v_proj.bias) if stack_qkv else projection(attn.v_proj),
+        q=part(attn.q_proj, qkv),
+        k=part(attn.k_proj, qkv),
+        v=part(attn.v_proj, qkv),
         o=projection(attn.o_proj),
         q_norm=norm_weights(attn.q_norm) if qk_norm else None,
         k_norm=norm_weights(attn.k_norm) if qk_norm else None,
         post_attention_norm=norm_weights(layer.post_attention_layernorm),
-        gate=Projection(mlp.gate_proj.weight, mlp.gate_proj.bias) if stack_gate_up else projection(mlp.gate_proj),
-        up=Projection(mlp.up_proj.weight, mlp.up_proj.bias) if stack_gate_up else projection(mlp.up_proj),
+        gate=part(mlp.gate_proj, gate_up),
+        up=part(mlp.up_proj, gate_up),
         down=projection(mlp.down_proj),
         act=mlp.act_fn,
         head_dim=attn.head_dim,
         scaling=attn.scaling,
         silu=type(mlp.act_fn).__name__ in ("SiLU", "SiLUActivation"),
-        qkv=projection(attn.q_proj, attn.k_proj, attn.v_proj) if stack_qkv else None,
-        gate_up=projection(mlp.gate_proj, mlp.up_proj) if stack_gate_up else None,
+        qkv=qkv,
+        gate_up=gate_up,
     )
 
 

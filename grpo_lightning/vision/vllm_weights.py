@@ -112,6 +112,12 @@ def _rename_saved(folder: Path, rename: Callable[[str], str]) -> int:
     return changed
 
 
+def _check_renamable(folder: Path, config: Any) -> None:
+    """Refuse (ValueError) a folder whose weights ``vllm_name`` may change but that holds no safetensors."""
+    if renames(config) and _saved_names(folder) is None:
+        raise ValueError(f"{folder} holds no .safetensors weights to rename for vLLM (save the model with safetensors)")
+
+
 def rename_for_vllm(folder: str | Path, config: Any) -> int:
     """Rename, in place, the saved weights of the model folder ``folder`` (of a model of ``config``) to the names
     vLLM's loader wants (``vllm_name``); how many changed (0 for a model whose names are vLLM's already).
@@ -121,8 +127,7 @@ def rename_for_vllm(folder: str | Path, config: Any) -> int:
     change but holds none (``.bin`` files) is refused with a ValueError.
     """
     folder = Path(folder)
-    if renames(config) and _saved_names(folder) is None:
-        raise ValueError(f"{folder} holds no .safetensors weights to rename for vLLM (save the model with safetensors)")
+    _check_renamable(folder, config)
     return _rename_saved(folder, lambda name: vllm_name(config, name)) if renames(config) else 0
 
 
@@ -142,8 +147,7 @@ def copy_for_vllm(source: str | Path, out_dir: str | Path) -> int:
     if out_dir.resolve() == source.resolve():
         raise ValueError(f"{out_dir}: write the copy for vLLM to another folder than the model's own")
     config = AutoConfig.from_pretrained(str(source))
-    if renames(config) and _saved_names(source) is None:
-        raise ValueError(f"{source} holds no .safetensors weights to rename for vLLM (save the model with safetensors)")
+    _check_renamable(source, config)  # before copying anything
     shutil.copytree(source, out_dir, dirs_exist_ok=True)
     return rename_for_vllm(out_dir, config)
 
