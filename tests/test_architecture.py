@@ -2,8 +2,8 @@
 
 - No module of ``grpo_lightning`` imports, directly or through others, a module that imports it back (imports
   inside functions and under ``TYPE_CHECKING`` count: they are dependencies too).
-- ``GRPOModule`` depends on no callback; every module says in its docstring what it owns; no file is over 400
-  lines.
+- ``GRPOModule`` depends on no callback; every module says in its docstring what it owns; no file is over 500
+  lines (a file is one idea; the cap catches a file that has become several).
 - Where Lightning offers no public hook for what we need, we use its internals; each such place is listed in the
   README's architecture section, and the tests below fail the day Lightning changes what we rely on.
 """
@@ -121,7 +121,7 @@ def test_every_module_says_what_it_owns_in_a_short_file():
     for path in sorted(PACKAGE.rglob("*.py")):
         tree = ast.parse(path.read_text())
         assert ast.get_docstring(tree), f"{path.relative_to(PACKAGE.parent)} has no module docstring"
-        assert len(path.read_text().splitlines()) <= 400, f"{path.relative_to(PACKAGE.parent)} is over 400 lines"
+        assert len(path.read_text().splitlines()) <= 500, f"{path.relative_to(PACKAGE.parent)} is over 500 lines"
 
 
 # ---------------------------------------------------------------- the Lightning internals we rely on (README)
