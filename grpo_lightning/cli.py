@@ -2,7 +2,8 @@
 
 Lightning's ``LightningCLI`` (jsonargparse): every hyperparameter of ``GRPOModule``, ``RolloutDataModule`` and the
 ``Trainer`` is a YAML key, overridable on the command line; several ``--config`` files compose left to right.
-A setting, data file or checkpoint that cannot work ends the run with one line, ``error: ...``, naming it.
+A setting, data file or checkpoint that cannot work ends the run with one line, ``error: ...``, naming it; so does a
+service that is down or an environment that crashed, each kind with its own exit status (``main``, ``errors.py``).
 """
 
 from __future__ import annotations
@@ -35,16 +36,14 @@ from grpo_lightning.config_checks import (
     derive_accumulation,
     read_checkpoint_hparams,
 )
-from grpo_lightning.engines.http import ServerError
-from grpo_lightning.environments.tools import ToolBroken
+from grpo_lightning.errors import UserFacingError
 from grpo_lightning.fit_summary import evaluate_arguments, print_fit_summary
-from grpo_lightning.guard import NonFiniteError
 from grpo_lightning.lora import LoraConfig
 from grpo_lightning.models.teacher import TeacherConfig
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.renamed_keys import PARSER_MODE, migrate_command_line
-from grpo_lightning.rewards import RewardError, RewardSpec
+from grpo_lightning.rewards import RewardSpec
 from grpo_lightning.rollout.curriculum import CurriculumConfig
 from grpo_lightning.rollout.datamodule import RolloutDataModule
 from grpo_lightning.sft import SFTDataModule, SFTModule
@@ -301,14 +300,15 @@ def trainer_error(err: BaseException, settings: Any) -> ConfigError:
     return ConfigError(f"{where}: {message}")
 
 
-def user_error(err: BaseException) -> BaseException | None:
-    """The error behind ``err`` that is the user's to fix (settings, data, rewards, numerics), if any.
+def user_error(err: BaseException) -> UserFacingError | None:
+    """The error behind ``err`` that is the user's to fix (a ``UserFacingError``: settings, data, rewards, a
+    service, an environment, numerics), if any.
 
     jsonargparse wraps the ones raised while parsing, hence the walk along the cause chain.
     """
     seen = set()
     while err is not None and id(err) not in seen:
-        if isinstance(err, (ConfigError, RewardError, NonFiniteError, ToolBroken, ServerError)):
+        if isinstance(err, UserFacingError):
             return err
         seen.add(id(err))
         err = err.__cause__ or err.__context__
@@ -365,10 +365,18 @@ def parse_error_line(message: str) -> str:
 
 
 def main(args: list[str] | None = None) -> None:
-    """Entry point: errors in the user's settings or data end the run with one line, not a traceback.
+    """Entry point: a fault the user can fix (``errors.UserFacingError``) ends the run with one line, ``error:
+    ...``, not a traceback, and an exit status that says which kind it was:
 
-    Exit status 2 for bad settings, data or reward functions, 1 for a run stopped by non-finite values; a run
-    stopped by SIGTERM exits with 0 after saving its checkpoint. Set ``GRPO_DEBUG=1`` for full tracebacks.
+    - 0: done, or stopped by SIGTERM after saving its checkpoint;
+    - 1: stopped by non-finite values (``NonFiniteError``);
+    - 2: a bad setting, data file, model/teacher/dataset path or reward function (``ConfigError``, ``RewardError``);
+    - 3: a service the run talks to is down, silent or refusing: a vLLM server, a served teacher, an OpenEnv server
+      (``ServiceError``);
+    - 4: an environment or tool failed: a server the run started exited, the environment raised, a tool or its
+      sandbox is broken (``EnvironmentCrashed``).
+
+    Anything else is a bug: a traceback (exit status 1). Set ``GRPO_DEBUG=1`` for full tracebacks.
     ``python -m grpo_lightning sft fit|validate ...`` runs supervised fine-tuning (``grpo_lightning.sft``) instead.
     """
     argv = sys.argv[1:] if args is None else list(args)
@@ -387,7 +395,7 @@ def main(args: list[str] | None = None) -> None:
         cause = user_error(err)  # also behind jsonargparse's errors, when a settings class refused a value
         if cause is not None:
             print(f"error: {' '.join(str(cause).split())}", file=sys.stderr)  # one line, whatever the message
-            sys.exit(1 if isinstance(cause, NonFiniteError) else 2)
+            sys.exit(cause.exit_code)
         if isinstance(err, argparse.ArgumentError):  # a bad setting, from jsonargparse
             print(f"error: {parse_error_line(str(err))}", file=sys.stderr)
             sys.exit(2)

@@ -10,6 +10,7 @@ import inspect
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
+from grpo_lightning.errors import ConfigError as ConfigError  # re-exported: its home before errors.py
 from grpo_lightning.losses import GENERIC_SETTINGS, PolicyLoss, SettingOutOfRange, check_policy_loss
 from grpo_lightning.losses.entropy import EntropyControl, entropy_settings_problem
 
@@ -18,10 +19,6 @@ if TYPE_CHECKING:
 
 
 Aggregation = Literal["sequence_mean", "token_mean", "micro_batch_token_mean", "constant", "sequence_sum"]
-
-
-class ConfigError(ValueError):
-    """A setting has a value that cannot work. The message names the setting and the fix."""
 
 
 @dataclass

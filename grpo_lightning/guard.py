@@ -17,11 +17,9 @@ import torch
 from lightning import LightningModule
 from torch import Tensor
 
+from grpo_lightning.errors import NonFiniteError as NonFiniteError  # re-exported: raised here
+
 log = logging.getLogger(__name__)
-
-
-class NonFiniteError(RuntimeError):
-    """Too many optimizer steps in a row had a non-finite loss or gradient. The message names the culprit."""
 
 
 def _local(t: Tensor) -> Tensor:

@@ -23,6 +23,8 @@ class LoraConfig:
     alpha: float = 32.0
     """Scale: the adapter's output is multiplied by ``alpha / r``."""
     dropout: float = 0.0
+    """Dropout on the adapters' input; set to 0 with the rest of the model's under ``model.disable_dropout`` (GRPO's
+    default: the update must compute the π that sampled), so it acts only where dropout is kept (SFT's default)."""
     target_modules: str | list[str] = "all-linear"
     """Layers that get adapters: ``all-linear`` (every linear layer but the output layer) or a list of names."""
     modules_to_save: list[str] = field(default_factory=list)

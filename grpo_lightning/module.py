@@ -34,6 +34,7 @@ from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.optimizer import adamw_with_warmup
 from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.strategies import gather_per_rank
+from grpo_lightning.vision.models import processor_of
 
 # Lightning loads checkpoints with ``torch.load(weights_only=True)``: the settings objects saved with the
 # hyperparameters must be allowed explicitly, or every resume fails to unpickle them.
@@ -168,16 +169,19 @@ class GRPOModule(LightningModule):
         chunk, rows = self.hparams.logprob_chunk_size, self.hparams.logprob_batch_size
         temperature = self.teacher_temperature(batch.temperature)
         options = {"temperature": temperature, "micro_batch_size": rows, "chunk_size": chunk}
-        return self.teacher.logprobs(*args, **options, lean=self.hparams.lean_forward, pack_tokens=batch.pack_tokens)
+        options.update(lean=self.hparams.lean_forward, pack_tokens=batch.pack_tokens)
+        return self.teacher.logprobs(*args, **options, vision=batch.vision or None)  # a VLM student's images
 
     def teacher_context_length(self) -> int | None:
         return self.teacher.context_length() if self.teacher is not None else None
 
     def check_teacher(self, temperature: float, rewards_teach: bool = True) -> None:
         """Refuse, before training, a teacher temperature (τ_T, from the sampling ``temperature``) the teacher cannot
-        score at (a served one: 1 only), or a weight schedule that stops it where no reward teaches."""
+        score at (a served one: 1 only), a teacher that cannot see a vision-language student's images, or a weight
+        schedule that stops it where no reward teaches."""
         if self.teacher is not None:
-            check_teacher_run(self.teacher, self.teacher_temperature(temperature), rewards_teach)
+            vision = processor_of(self.tokenizer) is not None
+            check_teacher_run(self.teacher, self.teacher_temperature(temperature), rewards_teach, vision)
 
     @property
     def has_reference(self) -> bool:

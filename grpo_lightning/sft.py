@@ -3,9 +3,12 @@
 ``SFTModule`` trains next-token cross-entropy on the response tokens only. It builds its model with GRPO's own
 ``build_policy`` and is evaluated with GRPO's held-out evaluation (``val/accuracy``); ``SFTDataModule`` encodes
 prompts with the same ``PromptEncoder`` a rollout uses, so an SFT model is encoded and evaluated exactly as GRPO
-will see it. It reads prompt/response rows (a ``.jsonl`` such as ``tools/rejection_sample.py`` writes, or a
-built-in task with ``response_column: answer``). ``grpo_lightning.callbacks.SaveHFModel`` writes the trained
-policy as a Hugging Face folder at the end of ``fit``: the next stage's ``model.model_name_or_path``.
+will see it. A vision-language model's examples are a rollout's rows (``encode_image_examples``: the prompt and its
+images through the processor, the response as the completion) and its loss is the rollout's log-prob pass over them
+(``completion_logprobs`` with each row's image inputs). It reads prompt/response rows (a ``.jsonl`` such as
+``tools/rejection_sample.py`` writes, or a built-in task with ``response_column: answer``).
+``grpo_lightning.callbacks.SaveHFModel`` writes the trained policy as a Hugging Face folder at the end of ``fit``:
+the next stage's ``model.model_name_or_path``.
 
     python -m grpo_lightning sft fit --config configs/pipeline/1_cold_start_sft.yaml
     python -m grpo_lightning sft validate --config configs/pipeline/1_cold_start_sft.yaml --ckpt_path ...
@@ -31,6 +34,7 @@ from grpo_lightning.engines import RolloutEngine
 from grpo_lightning.evaluation import HeldOutMetrics
 from grpo_lightning.lora import LoraConfig
 from grpo_lightning.models.build import load_tokenizer
+from grpo_lightning.models.logprobs import completion_logprobs
 from grpo_lightning.models.policy_and_reference import attached_trainer, build_policy, context_length, sampling_context
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.rewards import RewardSpec
@@ -38,6 +42,8 @@ from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.data_sources import PromptData
 from grpo_lightning.rollout.policy_side import EngineHandle, PolicySide
 from grpo_lightning.rollout.prompts import Prompt, PromptEncoder, check_prompt_rows, rename_prompt_column, response_text
+from grpo_lightning.vision.images import IMAGE_COLUMNS
+from grpo_lightning.vision.models import processor_of
 
 IGNORE_INDEX = -100  # label of the tokens the loss skips (prompt and padding), as in Hugging Face models
 
@@ -119,7 +125,17 @@ class SFTModule(LightningModule):
     def context_length(self) -> int | None:
         return context_length(self.hparams.model_name_or_path, self.tiny_model)
 
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+    def loss(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
+        """The mean cross-entropy of ``batch``'s response tokens, and how many there were. A vision-language model's
+        batch (``image_batch``) is scored as a rollout's log-prob pass scores a completion, with each row's images."""
+        if "vision" in batch:
+            mask = batch["completion_mask"]
+            logprobs, _ = completion_logprobs(
+                self.policy, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], mask,
+                vision=batch["vision"],
+            )  # fmt: skip
+            count = mask.sum()
+            return -(logprobs * mask).sum() / count.clamp(min=1), count
         # Without an attention mask the model derives a block-diagonal causal mask from position ids that restart
         # at each packed example (transformers' packed-sequence detection), so packed examples never see each other.
         logits = self.policy(
@@ -128,8 +144,11 @@ class SFTModule(LightningModule):
             position_ids=batch["position_ids"],
             use_cache=False,
         ).logits
-        loss, count = response_loss(logits, batch["labels"])
-        size = batch["input_ids"].size(0)
+        return response_loss(logits, batch["labels"])
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        loss, count = self.loss(batch)
+        size = len(batch["labels"] if "labels" in batch else batch["completion_ids"])
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=size)
         self.log("train/response_tokens", count.float(), reduce_fx="sum", batch_size=size)
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=size)
@@ -178,6 +197,52 @@ def encode_examples(
         answer = [*response, eos]
         examples.append((prompt + answer, [IGNORE_INDEX] * len(prompt) + answer))
     return examples
+
+
+def encode_image_examples(
+    encoder: PromptEncoder, rows: dict[str, list[Any]], responses: list[str], max_length: int | None, where: str
+) -> list[dict[str, Any]]:
+    """A vision-language model's pairs as a rollout's rows: ``{"prompt", "response", "vision"}`` per row of ``rows``
+    (columns ``prompt`` and the images'), the prompt and its images through the processor exactly as a rollout
+    encodes them (``VisionPromptEncoder.encode_rows``: each image marker expanded, the row's image inputs), the
+    response's tokens and EOS after it. ``max_length`` cuts the response, never the prompt: a prompt that fills it
+    (its image tokens would lose their image) is refused in one line naming the row."""
+    eos = encoder.tokenizer.eos_token_id
+    response_ids = encoder.tokenizer(responses, add_special_tokens=False)["input_ids"]
+    columns = [name for name in ("prompt", *IMAGE_COLUMNS) if name in rows]
+    examples = []
+    for row, response in enumerate(response_ids):
+        prompt_ids, _, vision = encoder.encode_rows({name: [rows[name][row]] for name in columns})
+        prompt, answer = prompt_ids[0].tolist(), [*response, eos]
+        if max_length:
+            if len(prompt) >= max_length:
+                raise ConfigError(
+                    f"data.max_length {max_length}: {where} row {row}'s prompt is {len(prompt)} tokens with its "
+                    "images, and a vision-language model's prompt is never cut; raise data.max_length or leave the row "
+                    "out"
+                )
+            answer = answer[: max_length - len(prompt)]
+        examples.append({"prompt": prompt, "response": answer, "vision": dict(vision[0])})
+    return examples
+
+
+def image_batch(examples: list[dict[str, Any]], pad_token_id: int) -> dict[str, Any]:
+    """``encode_image_examples``' examples as a rollout's rows: prompts left-padded (``prompt_ids``,
+    ``prompt_mask``), responses right-padded (``completion_ids``, ``completion_mask``), each row's image inputs."""
+    prompts, responses = [e["prompt"] for e in examples], [e["response"] for e in examples]
+    width, length = max(map(len, prompts)), max(map(len, responses))
+    batch = {
+        "prompt_ids": torch.full((len(examples), width), pad_token_id, dtype=torch.long),
+        "prompt_mask": torch.zeros((len(examples), width), dtype=torch.long),
+        "completion_ids": torch.full((len(examples), length), pad_token_id, dtype=torch.long),
+        "completion_mask": torch.zeros((len(examples), length), dtype=torch.long),
+    }
+    for row, (prompt, response) in enumerate(zip(prompts, responses)):
+        batch["prompt_ids"][row, width - len(prompt) :] = torch.tensor(prompt)
+        batch["prompt_mask"][row, width - len(prompt) :] = 1
+        batch["completion_ids"][row, : len(response)] = torch.tensor(response)
+        batch["completion_mask"][row, : len(response)] = 1
+    return {**batch, "vision": [e["vision"] for e in examples]}
 
 
 def pad_batch(examples: list[tuple[list[int], list[int]]], pad_token_id: int) -> dict[str, Tensor]:
@@ -321,14 +386,37 @@ class SFTDataModule(PromptData, LightningDataModule):
             encoder = self.encoder()
             check_prompt_rows(data, self.sources.train_where, encoder)
             responses = [response_text(r) for r in data[self.response_column]]
-            examples = encode_examples(encoder, data["prompt"], responses)
-            if self.max_length:
-                examples = [(ids[: self.max_length], labels[: self.max_length]) for ids, labels in examples]
-            if self.packing:
-                # Packed once, in a seeded shuffle; the DataLoader then shuffles the rows every epoch.
-                random.Random(self.seed).shuffle(examples)
-                examples = pack_examples(examples, self.max_length, self.policy_side.tokenizer.pad_token_id)
-            self.train_examples = examples
+            if self.takes_images:
+                self.train_examples = self._image_examples(encoder, data, responses)
+            else:
+                self.train_examples = self._text_examples(encoder, data, responses)
+        self._setup_held_out()
+
+    def _text_examples(self, encoder: PromptEncoder, data: Dataset, responses: list[str]) -> list[Any]:
+        examples = encode_examples(encoder, data["prompt"], responses)
+        if self.max_length:
+            examples = [(ids[: self.max_length], labels[: self.max_length]) for ids, labels in examples]
+        if self.packing:
+            # Packed once, in a seeded shuffle; the DataLoader then shuffles the rows every epoch.
+            random.Random(self.seed).shuffle(examples)
+            examples = pack_examples(examples, self.max_length, self.policy_side.tokenizer.pad_token_id)
+        return examples
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether the policy is a vision-language model (its tokenizer carries a processor)."""
+        return processor_of(self.policy_side.tokenizer) is not None
+
+    def _image_examples(self, encoder: PromptEncoder, data: Dataset, responses: list[str]) -> list[dict[str, Any]]:
+        if self.packing:
+            raise ConfigError(
+                "data.packing: a vision-language model's examples are not packed (its forward places each example's "
+                "image features by that example's own placeholders); set data.packing false"
+            )
+        rows = {name: list(data[name]) for name in ("prompt", *IMAGE_COLUMNS) if name in data.column_names}
+        return encode_image_examples(encoder, rows, responses, self.max_length, self.sources.train_where)
+
+    def _setup_held_out(self) -> None:
         held_out = self.sources.held_out(self.val_limit) if self.val_data is None else None
         if held_out is not None:
             data, where = held_out
@@ -341,6 +429,8 @@ class SFTDataModule(PromptData, LightningDataModule):
         pad = self.policy_side.tokenizer.pad_token_id
         # Packed rows are equal-length tensors already (the default collate stacks them); others are padded.
         collate = None if self.packing else functools.partial(pad_batch, pad_token_id=pad)
+        if self.takes_images:  # a rollout's rows, with their images
+            collate = functools.partial(image_batch, pad_token_id=pad)
         return DataLoader(
             self.train_examples,
             batch_size=self.batch_size,

@@ -173,7 +173,8 @@ def gathered(model: nn.Module | None) -> Iterator[None]:
     """Full weights of a sharded ``model`` for the whole block, gathered once; a no-op when it is not sharded.
 
     FSDP2: every unit is unsharded up front (the same collectives on every rank) and kept unsharded across the
-    block's forwards, then resharded. The block may then run a different number of forwards on each rank.
+    block's forwards, then resharded. The block may then run a different number of forwards on each rank, but every
+    rank must enter it as often as the others (held-out batches: ``rollout/held_out.py`` pads the short ranks).
     """
     if model is None or getattr(model, _GATHERED, False):
         yield

@@ -11,6 +11,9 @@ from pathlib import Path
 # nothing from threads, and subprocess tests don't oversubscribe the cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+# No test times anything: CPU products stay plain here and in every process a test starts
+# (models/cpu_packing_rule.py); the tests of the packing inject timings instead of measuring.
+os.environ["GRPO_LIGHTNING_CPU_PACKING"] = "off"
 
 # tools/ holds the measurement helpers some tests use (memory_probe, run_logs): importable by their names.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
@@ -48,6 +51,8 @@ SLOW_FIRST = (
     "test_bad_inputs.py",
     "test_distributed.py",
     "test_rollout_metrics_ddp.py",
+    "test_vision_lag_resume.py",
+    "test_held_out_ranks.py",
 )
 
 

@@ -3,6 +3,7 @@
     pip install -e ".[bench]"             # TRL, pinned (an optional extra)
     python tools/bench_distill.py         # 3 runs each, the frameworks alternated
     python tools/bench_distill.py --runs 5 --steps 3 10
+    git worktree add ../base 2c054be && python tools/bench_distill.py --baseline ../base   # this code vs another
 
 The same student (a seeded Llama of ``STUDENT`` size) learns from the same teacher (a larger seeded Llama, same
 character tokenizer) on the same prompts, on CPU in float32. Every optimizer step, each side samples 32 completions
@@ -19,7 +20,8 @@ The two objectives differ by design (``docs/distillation.md``: the full-vocabula
 one-sample estimate on the sampled token); what is compared is the cost of a step of each at identical work:
 generation, one teacher pass, one student forward and backward. Each run is a fresh subprocess reporting its time per
 optimizer step (after the warm-up) and its peak resident memory; the table shows the median over runs. The
-measuring harness (timing, memory, child processes) is ``bench_trl.py``'s.
+measuring harness (timing, memory, child processes, ``--baseline``, the machine and CPU packing lines beside the
+table) is ``bench_trl.py``'s.
 """
 
 from __future__ import annotations
@@ -28,22 +30,26 @@ import argparse
 import json
 import os
 import random
-import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_trl import (  # noqa: E402
     SEED,
     Settings,
     bench_trainer,
+    child_command,
     environment,
     make_prompt,
+    median_result,
     ours_step_timer,
+    packing_report,
+    run_measured,
     summarize,
     trl_step_timer,
+    with_packing_report,
 )
 
 LR = 1e-6
@@ -170,19 +176,15 @@ def run_trl(settings: Settings, folder: Path) -> dict[str, float]:
     return summarize(stamps, settings)
 
 
-def run_child(framework: str, settings: Settings, folder: Path, threads: int | None) -> dict[str, float]:
-    """One measurement in a fresh interpreter (its own start-up and peak memory)."""
+def run_child(
+    framework: str, settings: Settings, folder: Path, threads: int | None, baseline: Path | None = None
+) -> dict[str, Any]:
+    """One measurement in a fresh interpreter (its own start-up and peak memory); ``framework``: ``trl``, ``ours``
+    or ``baseline`` (ours as the checkout ``baseline`` has it)."""
     steps = [str(settings.warmup_steps), str(settings.measured_steps)]
-    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "GRPO_BENCH_DEVICE": "cpu"}
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
-    cmd = [sys.executable, __file__, "--child", framework, "--steps", *steps, "--assets", str(folder)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
-        raise RuntimeError(f"{framework} run failed (exit {proc.returncode})")
-    return json.loads(lines[-1][len("RESULT ") :])
+    side, base = ("ours", baseline) if framework == "baseline" else (framework, None)
+    cmd, env = child_command(Path(__file__), side, base, threads)
+    return run_measured(cmd + ["--steps", *steps, "--assets", str(folder)], env, f"{framework} run")
 
 
 def main() -> None:
@@ -190,33 +192,43 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="runs per framework (median reported)")
     parser.add_argument("--steps", nargs=2, type=int, default=(3, 8), metavar=("WARMUP", "MEASURED"))
     parser.add_argument("--threads", type=int, help="CPU threads per run (default: torch's, one per core)")
+    parser.add_argument(
+        "--baseline", type=Path, help="another checkout of grpo_lightning, measured in the same rotation as ours"
+    )
     parser.add_argument("--child", choices=("ours", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--assets", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     # bench_trl's Settings carries the timing window; the model and rollout shape are this script's constants.
     settings = Settings(0, 0, 0, 0, SEQUENCES, 1, NEW_TOKENS, PROMPT_LEN, 1, 0.0, *args.steps)
     if args.child:
-        result = (run_ours if args.child == "ours" else run_trl)(settings, args.assets)
+        if args.child == "ours":
+            result = with_packing_report(run_ours(settings, args.assets))
+        else:
+            result = run_trl(settings, args.assets)
         print("RESULT " + json.dumps(result), flush=True)
         return
-    results: dict[str, list[dict[str, float]]] = {"trl": [], "ours": []}
+    baseline = args.baseline.resolve() if args.baseline else None
+    if baseline and not (baseline / "tools" / "bench_distill.py").is_file():
+        parser.error(f"--baseline {baseline} has no tools/bench_distill.py: make a checkout with git worktree add")
+    frameworks = ["trl", "ours"] + (["baseline"] if baseline else [])
+    results: dict[str, list[dict[str, Any]]] = {framework: [] for framework in frameworks}
     loads = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         sizes = build_assets(folder)
         for run in range(args.runs):
-            order = ["trl", "ours"] if run % 2 == 0 else ["ours", "trl"]  # alternate who goes first
-            for framework in order:
+            shift = run % len(frameworks)  # rotate who goes first
+            for framework in frameworks[shift:] + frameworks[:shift]:
                 loads.append(os.getloadavg()[0])
-                result = run_child(framework, settings, folder, args.threads)
+                result = run_child(framework, settings, folder, args.threads, baseline)
                 results[framework].append(result)
                 print(
-                    f"run {run + 1} {framework:>4}: {result['s_per_step']:.3f} s/step "
+                    f"run {run + 1} {framework:>8}: {result['s_per_step']:.3f} s/step "
                     f"(CPU {result['cpu_s_per_step']:.3f}), peak RSS {result['peak_rss_mb']:.0f} MiB, "
                     f"load {loads[-1]:.2f} before",
                     flush=True,
                 )
-    med = {fw: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for fw, runs in results.items()}
+    med = {fw: median_result(runs) for fw, runs in results.items()}
     trl, ours = med["trl"], med["ours"]
     print("\n| TRL s/step | ours s/step | ratio ours/TRL | TRL peak RSS MiB | ours peak RSS MiB | memory ratio |")
     print("|---|---|---|---|---|---|")
@@ -229,10 +241,17 @@ def main() -> None:
         f"completions of {NEW_TOKENS} tokens per step, prompts of {PROMPT_LEN}; steps {args.steps[0]}+{args.steps[1]}; "
         f"median of {args.runs} runs; load {min(loads):.2f} to {max(loads):.2f} on {os.cpu_count()} CPUs"
     )
-    print(environment())
+    print(environment(args.threads))
+    print(f"CPU packing of ours (its last run):\n{packing_report(results['ours'][-1])}")
     print(
         f"ratio={ours['s_per_step'] / trl['s_per_step']:.2f} mem_ratio={ours['peak_rss_mb'] / trl['peak_rss_mb']:.2f}"
     )
+    if baseline:
+        base = med["baseline"]
+        print(
+            f"ours/baseline={ours['s_per_step'] / base['s_per_step']:.2f} "
+            f"mem_ours/baseline={ours['peak_rss_mb'] / base['peak_rss_mb']:.2f} (baseline: {baseline})"
+        )
 
 
 if __name__ == "__main__":

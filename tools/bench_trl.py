@@ -25,6 +25,12 @@ engine (the one that takes images), TRL with its own ``generate``; completions a
 
 ``--baseline DIR`` adds a third side, our code as another checkout has it, in the same rotation: a shared CPU's
 speed drifts by 10-20% within minutes, so versions measured at different times cannot be compared.
+
+Beside the table: the versions, the machine (CPU model, the instruction set torch dispatches to, threads per run,
+torch's version: ``grpo_lightning.models.cpu_packing_rule.machine``) and what our side's CPU packing measured there
+(``cpu_packing_rule.describe``: which products multiply by packed weights on this machine). The packing's timings
+are cached per machine (``~/.cache/grpo_lightning/cpu_packing``): remove that folder to measure them again, e.g.
+after measuring on a busy machine.
 """
 
 from __future__ import annotations
@@ -426,10 +432,13 @@ def run_trl(settings: Settings, folder: Path) -> dict[str, float]:
     return summarize(stamps, settings)
 
 
-def environment() -> str:
+def environment(threads: int | None = None) -> str:
     """The versions that matter, and whether matplotlib/scipy are installed: Lightning imports torchmetrics, which
-    imports them when present (about 100 MiB in our process, none in TRL's), so peak memory depends on them."""
+    imports them when present (about 100 MiB in our process, none in TRL's), so peak memory depends on them; then
+    the machine the runs had (``threads``: each run's, where set; else torch's default)."""
     from importlib.metadata import PackageNotFoundError, version
+
+    from grpo_lightning.models.cpu_packing_rule import machine
 
     def installed(name: str) -> str:
         try:
@@ -438,16 +447,61 @@ def environment() -> str:
             return "absent"
 
     names = ("torch", "transformers", "lightning", "trl", "matplotlib", "scipy")
-    return "environment: " + ", ".join(f"{name} {installed(name)}" for name in names)
+    return "environment: " + ", ".join(f"{name} {installed(name)}" for name in names) + "\n" + machine(threads)
+
+
+def packing_report(result: dict[str, Any]) -> str:
+    """What a run of ours measured or read for its CPU packing (absent from a baseline older than the rule)."""
+    lines = result.get("cpu_packing")
+    if lines is None:
+        return "  (not reported)"
+    return "\n".join(f"  {line}" for line in lines) or "  nothing measured (no product could be packed)"
+
+
+def with_packing_report(result: dict[str, float]) -> dict[str, Any]:
+    """``result`` with this process's CPU packing report (``cpu_packing_rule.describe``)."""
+    from grpo_lightning.models.cpu_packing_rule import describe
+
+    return {**result, "cpu_packing": describe()}
+
+
+def child_command(script: Path, side: str, baseline: Path | None, threads: int | None) -> tuple[list[str], dict]:
+    """The interpreter command and environment of a child run of ``script`` as ``side``; with ``baseline``, the
+    same-named script of that checkout, its own package first on the path (``--baseline``); ``threads``: every
+    side alike (unset: torch's default, one thread per core)."""
+    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "GRPO_BENCH_DEVICE": DEVICE}
+    if baseline is not None:
+        script, env["PYTHONPATH"] = baseline / "tools" / script.name, str(baseline)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    return [sys.executable, str(script), "--child", side], env
+
+
+def run_measured(cmd: list[str], env: dict[str, str], what: str) -> dict[str, Any]:
+    """Run a child and return the result it printed last (``RESULT {json}``)."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
+        raise RuntimeError(f"{what} failed (exit {proc.returncode})")
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def child(framework: str, settings: Settings, folder: Path) -> None:
     """One measured run in this process; prints its result as the last line of stdout (JSON)."""
     if framework == "padded":  # ours without packing
-        result = run_ours(settings, folder, pack_tokens=None)
+        result = with_packing_report(run_ours(settings, folder, pack_tokens=None))
+    elif framework == "ours":
+        result = with_packing_report(run_ours(settings, folder))
     else:
-        result = (run_ours if framework == "ours" else run_trl)(settings, folder)
+        result = run_trl(settings, folder)
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def median_result(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Each numeric field's median over ``runs`` (reports such as ``cpu_packing`` are left out)."""
+    keys = [key for key, value in runs[0].items() if isinstance(value, (int, float))]
+    return {key: statistics.median(run[key] for run in runs) for key in keys}
 
 
 def run_child(
@@ -456,19 +510,10 @@ def run_child(
     """One measurement in a fresh interpreter (its own start-up, caches and peak memory); ``framework``: ``trl``,
     ``ours`` or ``baseline`` (ours as the checkout ``baseline`` has it)."""
     steps = [str(settings.warmup_steps), str(settings.measured_steps)]
-    script, side = Path(__file__), framework
-    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "GRPO_BENCH_DEVICE": DEVICE}
-    if framework == "baseline":  # its own script, its own package first on the path
-        script, side, env["PYTHONPATH"] = baseline / "tools" / "bench_trl.py", "ours", str(baseline)
-    cmd = [sys.executable, str(script), "--child", side, "--settings", name, "--steps", *steps, "--assets", str(folder)]
-    if threads is not None:  # every side alike; unset: torch's default (one thread per core)
-        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
-        raise RuntimeError(f"{framework} run for settings {name} failed (exit {proc.returncode})")
-    return json.loads(lines[-1][len("RESULT ") :])
+    side, base = ("ours", baseline) if framework == "baseline" else (framework, None)
+    cmd, env = child_command(Path(__file__), side, base, threads)
+    cmd += ["--settings", name, "--steps", *steps, "--assets", str(folder)]
+    return run_measured(cmd, env, f"{framework} run for settings {name}")
 
 
 def main() -> None:
@@ -501,7 +546,7 @@ def main() -> None:
     if any(s.uneven for s in chosen.values()):
         frameworks.append("padded")  # ours with data.pack_tokens: null, to show what packing does
 
-    rows, loads = [], []
+    rows, loads, last_ours = [], [], {}
     for name, settings in chosen.items():
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp)
@@ -522,7 +567,8 @@ def main() -> None:
                         + f"load {loads[-1]:.2f} before",
                         flush=True,
                     )
-        med = {fw: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for fw, runs in results.items()}
+        last_ours[name] = results["ours"][-1]
+        med = {fw: median_result(runs) for fw, runs in results.items()}
         rows.append((name, settings, params, med))
 
     print(
@@ -549,7 +595,10 @@ def main() -> None:
             print(f"settings {name}: peak GPU memory TRL {trl:.0f} MiB, ours {ours:.0f} MiB")
     print(f"\n(median of {args.runs} runs each; threads per run: {threads}; ", end="")
     print(f"1-minute load average before the runs: {min(loads):.2f} to {max(loads):.2f} on {os.cpu_count()} CPUs)")
-    print(environment() + "\n")
+    print(environment(args.threads))
+    for name, _, _, _ in rows:
+        print(f"settings {name}, CPU packing of ours (its last run):\n{packing_report(last_ours[name])}")
+    print()
     for name, _, _, med in rows:
         ratio = med["ours"]["s_per_step"] / med["trl"]["s_per_step"]
         memory = "peak_gpu_mb" if DEVICE == "cuda" else "peak_rss_mb"  # on a GPU, the memory that limits a run

@@ -14,6 +14,9 @@ The rows are checked latest first, so the usual loop (each call extends the prev
 that interleaves two conversations (a sub-agent) makes one row per conversation. The check is on token ids, so a
 row is token for token what the model was given and drew: a re-rendered history that tokenizes differently from
 what the model drew fails the check and starts a row instead of training on tokens the model never produced.
+
+The rewards score a session's last call's text: ``scored_row`` is the row that holds it (the last row, or an earlier
+one that the last call continued), the session's representative where one row stands for it (held-out metrics).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class AgentRow:
     calls: int = 0
     truncated: bool = False  # its last call was cut by its token limit
     text: str = ""  # its last call's text
+    last_call: int = -1  # the position of its last call among the session's calls (-1: none)
 
     @property
     def ids(self) -> list[int]:
@@ -74,10 +78,16 @@ class AgentRow:
 def merge_calls(calls: list[Call]) -> list[AgentRow]:
     """A session's calls (in the order served) as training rows: see the module docstring."""
     rows: list[AgentRow] = []
-    for call in calls:
+    for position, call in enumerate(calls):
         row = next((r for r in reversed(rows) if r.extended_by(call)), None)
         if row is None:
             row = AgentRow(prompt_ids=list(call.prompt_ids))
             rows.append(row)
         row.add(call.prompt_ids[len(row.ids) :], call)
+        row.last_call = position
     return rows
+
+
+def scored_row(rows: list[AgentRow]) -> int:
+    """The index of the row holding the session's last call, whose text the rewards score (0 without calls)."""
+    return max(range(len(rows)), key=lambda i: rows[i].last_call)

@@ -39,6 +39,7 @@ from grpo_lightning.agents.gateway import Session
 from grpo_lightning.agents.serving import CallServer
 from grpo_lightning.config import ConfigError
 from grpo_lightning.environments.base import Environment, Step
+from grpo_lightning.errors import EnvironmentCrashed
 
 SETTING = "data.environment.init_args"
 AgentFn = Callable[[str, str, dict[str, Any]], Any]
@@ -147,7 +148,8 @@ class AgentEnvironment(Environment):
                 if outcome.finished or outcome.timed_out:
                     active.remove(outcome)
                     if outcome.failed and self.on_error == "raise":
-                        raise RuntimeError(f"{SETTING}: {failure(outcome, self.timeout_s)} (on_error: skip goes on)")
+                        failed = failure(outcome, self.timeout_s)
+                        raise EnvironmentCrashed(f"{SETTING}: {failed} (on_error: skip goes on)")
         return outcomes
 
     def _run(self, outcome: SessionOutcome, gateway: Any) -> None:

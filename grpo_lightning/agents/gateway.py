@@ -16,7 +16,15 @@ Who may write training data through it:
   (its agent returned, or timed out) 403. A call is recorded only while its session is open, checked again when
   its completion is ready, so a request that outlives its session leaves no row.
 
-Refused requests are counted (``refused``), for the round's ``agent/refused_requests``.
+A call is recorded only while its client still waits for the answer: a client that timed out (and retried: the
+``openai`` client does, twice by default) has closed its connection, so its completion, which the agent never
+saw, leaves no row; the main thread checks before generating and again before recording
+(``PendingRequest.client_gone``), and counts it (``agent/abandoned_calls``).
+
+Refused requests are counted (``refused``), for the round's ``agent/refused_requests``; requests that cannot be
+read or served (``bad_requests``: a malformed ``Content-Length``, a body that is not JSON, ...) answered 400, for
+``agent/bad_requests``. A fault of the gateway's own while handling a request is answered 500 and logged in one
+line, never left unanswered.
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ import json
 import logging
 import queue
 import secrets
+import select
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -60,13 +70,35 @@ class PendingRequest:
     session: Session
     endpoint: str  # "chat" or "completions"
     body: dict[str, Any]
+    connection: socket.socket | None = None  # the client's, while its handler waits (None: no client to lose)
     done: threading.Event = field(default_factory=threading.Event)
     status: int = 500
     payload: dict[str, Any] = field(default_factory=dict)
+    abandoned: bool = False  # its client had gone: nothing is written back
 
     def answer(self, status: int, payload: dict[str, Any]) -> None:
         self.status, self.payload = status, payload
         self.done.set()
+
+    def abandon(self) -> None:
+        """Release the waiting handler without an answer: its client has gone."""
+        self.abandoned = True
+        self.done.set()
+
+    def client_gone(self) -> bool:
+        """Whether the client closed its connection (a timeout: it no longer waits for this answer).
+
+        A client waiting for its answer sends nothing more, so its socket becomes readable only when it closes
+        (end of stream, or a reset); the handler thread does not touch the socket meanwhile.
+        """
+        if self.connection is None:
+            return False
+        try:
+            if not select.select([self.connection], [], [], 0)[0]:
+                return False
+            return not self.connection.recv(1, socket.MSG_PEEK)
+        except (OSError, ValueError):  # reset by the peer, or already closed
+            return True
 
 
 def error(message: str, kind: str = "invalid_request_error", code: str | None = None) -> dict[str, Any]:
@@ -82,7 +114,7 @@ class Gateway:
         self.sessions: dict[str, Session] = {}
         self.requests: queue.Queue[PendingRequest] = queue.Queue()
         self.lock = threading.Lock()
-        self.refused = 0
+        self.refused, self.bad_requests = 0, 0
         self.closed = False
         server = _Server if ":" not in host else _IPv6Server
         try:
@@ -130,6 +162,10 @@ class Gateway:
         with self.lock:
             self.refused += 1
 
+    def bad_request(self) -> None:
+        with self.lock:
+            self.bad_requests += 1
+
     # ------------------------------------------------------------------------------------------ requests
     def check(self, path: str, authorization: str | None) -> tuple[int, dict[str, Any] | None, Session | None, str]:
         """``(status, error body or None, session, endpoint)`` for a request to ``path``."""
@@ -175,9 +211,28 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True  # a handler still waiting when the round ends does not hold the process
     request_queue_size = 1024  # every agent may connect at once: the default backlog of 5 resets the others
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that failed outside a request's handling (reset while its request line was read): one
+        line in the debug log, not ``socketserver``'s traceback on standard error."""
+        err = sys.exc_info()[1]
+        log.debug("agent gateway: a connection failed: %s: %s", type(err).__name__, err)
+
 
 class _IPv6Server(_Server):
     address_family = socket.AF_INET6
+
+
+def content_length(headers: Any) -> tuple[int, tuple[int, dict[str, Any]] | None]:
+    """The body's length from ``Content-Length`` (0 when absent), or the status and error that refuse it."""
+    if "chunked" in (headers.get("Transfer-Encoding") or "").lower():
+        return 0, (411, error("send the body with a Content-Length: a chunked body is not read"))
+    raw = (headers.get("Content-Length") or "0").strip()
+    if not (raw.isascii() and raw.isdigit()):  # int() would take "-5" (read to the end of the stream), "1_0"
+        return 0, (400, error(f"Content-Length must be a number of bytes (got {raw[:40]!r})"))
+    length = int(raw)
+    if length > MAX_BODY_BYTES:
+        return 0, (413, error(f"request body over {MAX_BODY_BYTES} bytes"))
+    return length, None
 
 
 def _handler(gateway: Gateway) -> type[BaseHTTPRequestHandler]:
@@ -185,6 +240,28 @@ def _handler(gateway: Gateway) -> type[BaseHTTPRequestHandler]:
         server_version = "grpo-lightning-agent-gateway"
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.guarded(self.get)
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            self.guarded(self.post)
+
+        def guarded(self, handle: Any) -> None:
+            """``handle()``; a fault of its own answered 500 and logged in one line (not a traceback)."""
+            try:
+                handle()
+            except OSError as err:  # the client went away while it was answered: nobody to tell
+                self.close_connection = True
+                log.debug("agent gateway: %s: the client went away (%s)", self.command, err)
+            except Exception as err:  # noqa: BLE001 - any fault: this request fails, the gateway goes on
+                self.close_connection = True
+                gateway.refuse()
+                log.warning("agent gateway: a %s request failed: %s: %s", self.command, type(err).__name__, err)
+                try:
+                    self.reply(500, error(f"the agent gateway failed on this request: {type(err).__name__}: {err}"))
+                except OSError:
+                    pass
+
+        def get(self) -> None:
             status, problem, session, endpoint = gateway.check(self.path, self.headers.get("Authorization"))
             if problem is None and endpoint != "models":
                 status, problem = 404, error(f"no GET route {self.path!r}")
@@ -193,29 +270,36 @@ def _handler(gateway: Gateway) -> type[BaseHTTPRequestHandler]:
                 return self.reply(status, problem)
             self.reply(200, {"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "grpo"}]})
 
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        def post(self) -> None:
             status, problem, session, endpoint = gateway.check(self.path, self.headers.get("Authorization"))
             if problem is None and endpoint not in ENDPOINTS:
                 status, problem = 404, error(f"no POST route {self.path!r}")
-            length = int(self.headers.get("Content-Length") or 0)
-            if problem is None and length > MAX_BODY_BYTES:
-                status, problem = 413, error(f"request body over {MAX_BODY_BYTES} bytes")
-            if problem is not None:
+            if problem is not None:  # not the run's, or no such route: refused before its length is looked at
                 gateway.refuse()
                 self.close_connection = True  # its body is not read
                 return self.reply(status, problem)
+            length, unreadable = content_length(self.headers)
+            if unreadable is not None:
+                gateway.bad_request()
+                self.close_connection = True  # its body is not read
+                return self.reply(*unreadable)
             try:
                 body = json.loads(self.rfile.read(length) or b"{}")
             except ValueError as err:
+                gateway.bad_request()
                 return self.reply(400, error(f"the body is not JSON: {err}"))
             if not isinstance(body, dict):
+                gateway.bad_request()
                 return self.reply(400, error("the body must be a JSON object"))
-            request = PendingRequest(session, ENDPOINTS[endpoint], body)
+            request = PendingRequest(session, ENDPOINTS[endpoint], body, connection=self.connection)
             gateway.requests.put(request)
             while not request.done.wait(0.5):
                 if gateway.closed:  # queued after the round's last look at the queue: nobody will serve it
                     gateway.refuse()
                     request.answer(403, error("the round has ended", code="session_ended"))
+            if request.abandoned:  # its client has gone: nothing to write to
+                self.close_connection = True
+                return
             self.reply(request.status, request.payload)
 
         def reply(self, status: int, payload: dict[str, Any]) -> None:

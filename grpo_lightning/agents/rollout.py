@@ -7,11 +7,13 @@
    that made no call gets one row of one end token, out of the loss.
 3. The rewards score each **session** once: ``data.rewards`` on its last completion's text (with the columns
    ``transcripts``, ``agent_results`` (what the agent returned) and ``agent_calls`` (each call's request, text and
-   finish reason)), plus the agent's own reward parts.
+   finish reason)), plus the agent's own reward parts: reward columns of weight 1 under the scorer's rule (None: this
+   agent did not return that part; a session no column gives a value is unscorable).
 4. The batch holds one row per training row, the rows of a session adjacent and sharing its reward;
    ``RolloutBatch.trajectory`` says which session each row is, so that group statistics and advantages are over
    sessions (``rollout/round.py``), each row taking its session's advantage. A failed session (on_error: skip) or
-   an empty one is unscorable: advantage 0, out of its group's baseline, its rows out of the loss.
+   an empty one is out of every column (``left_out``), so unscorable: advantage 0, out of its group's baseline
+   whichever aggregation, its rows out of the loss.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from grpo_lightning.agents.calls import AgentRow, merge_calls
+from grpo_lightning.agents.calls import AgentRow, merge_calls, scored_row
 from grpo_lightning.agents.environment import AgentEnvironment, SessionOutcome
 from grpo_lightning.agents.gateway import Gateway
 from grpo_lightning.agents.serving import CallServer
@@ -79,19 +81,17 @@ def sample_and_score_agents(
     columns = {name: [job[name] for job in jobs] for name in rows if name != "prompt"}
     columns["completion_lengths"] = [sum(sum(r.action) for r in s) for s in sessions]
     columns["completion_ids"] = [c[-1].completion_ids if c else [] for c in calls]
-    columns["transcripts"] = [tokenizer.decode(s[-1].completion_ids) for s in sessions]
+    columns["transcripts"] = [tokenizer.decode(s[scored_row(s)].completion_ids) for s in sessions]  # the scored row
     columns["agent_results"] = [outcome.result for outcome in outcomes]
     columns["agent_calls"] = [[{"request": x.request, "text": x.text, "finish_reason": x.finish_reason} for x in c]
                               for c in calls]  # fmt: skip
     prompts = [job["prompt"] for job in jobs]
-    scores = scorer(prompts, final_texts, columns, warn_unscorable=False)
-    for name in sorted({name for outcome in outcomes for name in outcome.rewards}):
-        values = [outcome.rewards.get(name) for outcome in outcomes]  # None: this agent did not return it
-        scores.per_function[name] = values
-        scores.total = [total + (value or 0.0) for total, value in zip(scores.total, values)]
-    # No reward applies: no function of data.rewards (none configured, or each returned None) and no agent part.
-    rewarded = [bool(scores.per_function) and not scores.unscorable[i] for i in range(len(outcomes))]
-    unscorable = [o.failed or not calls[i] or not (rewarded[i] or o.rewards) for i, o in enumerate(outcomes)]
+    # The agent's parts are reward columns (None: this agent did not return it), weighed 1, under the scorer's rule;
+    # a failed or empty session is out of every column. Unscorable: no column gives the session a value.
+    names = sorted({name for outcome in outcomes for name in outcome.rewards})
+    parts = {name: [outcome.rewards.get(name) for outcome in outcomes] for name in names}
+    left_out = [outcome.failed or not calls[i] for i, outcome in enumerate(outcomes)]
+    scores = scorer(prompts, final_texts, columns, parts=parts, left_out=left_out)
 
     counts = [len(s) for s in sessions]
 
@@ -102,10 +102,12 @@ def sample_and_score_agents(
     batch = rows_batch(flat, tokenizer.pad_token_id, device)
     batch.rewards = torch.tensor(per_row(scores.total), dtype=torch.float32, device=device)
     batch.trajectory = torch.tensor(per_row(list(range(len(sessions)))), device=device)
+    batch.scored = torch.tensor([i == scored_row(s) for s in sessions for i in range(len(s))], device=device)
     batch.prompts, batch.completions = per_row(prompts), [row.text for row in flat]
     batch.reward_columns = {name: per_row(values) for name, values in scores.per_function.items()}
+    batch.reward_weights = dict(scores.weights)
     batch.correct = per_row(scores.correct) if scores.correct is not None else None
-    batch.unscorable = torch.tensor(per_row(unscorable), device=device)
+    batch.unscorable = torch.tensor(per_row(scores.unscorable), dtype=torch.bool, device=device)
     batch.temperature, batch.max_new_tokens = params.temperature, params.max_new_tokens
     batch.reward_log = dict(scores.metrics)
     batch.extra_columns = {n: per_row(v) for n, v in scores.extra_columns.items() if len(v) == len(sessions)}
@@ -192,6 +194,7 @@ def session_metrics(
         "timed_out_sessions": float(sum(o.timed_out for o in outcomes)),
         "refused_requests": float(gateway.refused + sum(o.session.refused for o in outcomes)),
         "bad_requests": float(server.bad_requests),
+        "abandoned_calls": float(server.abandoned),  # their clients had gone (timed out): not recorded
         "calls_per_generate": server.served / max(server.generate_calls, 1),
     }
 

@@ -22,6 +22,10 @@ completes a stop text, ``environments/stops.py``; the text returned ends before 
 ``include_stop_str_in_output: true``), ``logprobs`` (the drawn tokens' log-probs, no alternatives),
 ``return_token_ids`` (vLLM's: ``prompt_token_ids`` and ``choices[0].token_ids``). Tool calls are not parsed: the
 model's text is the message's ``content``.
+
+A session's ``max_calls`` counts the calls recorded and those admitted to generation in the same batch, so calls
+of one session that arrive together cannot pass it. A request whose client has gone (it timed out) is neither
+generated nor recorded, checked before generating and again before recording, and counted (``abandoned``).
 """
 
 from __future__ import annotations
@@ -78,27 +82,38 @@ class CallServer:
         config = getattr(engine.policy, "config", None)
         self.vocab_size = getattr(config, "vocab_size", None) or len(tokenizer)
         self.ends = tuple(engine.eos_token_ids or ()) or (tokenizer.eos_token_id,)
-        self.engine_s, self.generate_calls, self.served, self.bad_requests = 0.0, 0, 0, 0
+        self.engine_s, self.generate_calls, self.served, self.abandoned = 0.0, 0, 0, 0
+
+    @property
+    def bad_requests(self) -> int:
+        """Requests answered 400: unreadable ones (the gateway's) and those that cannot be served (``prepare``)."""
+        return self.gateway.bad_requests
 
     def serve(self, requests: list[PendingRequest]) -> None:
         """Answer ``requests``: generate those that pass their checks together, record each call in its session."""
         groups: dict[tuple[int, tuple[str, ...]], list[Prepared]] = {}
+        taken: dict[str, int] = {}  # per session: calls recorded + calls of this batch admitted so far
         for request in requests:
             session = request.session
+            if request.client_gone():
+                self.abandon(request)
+                continue
             if not session.open:
                 self.gateway.refuse()
                 request.answer(403, error("this session has ended", code="session_ended"))
                 continue
-            if len(session.calls) >= self.max_calls:
+            calls = taken.get(session.id, len(session.calls))
+            if calls >= self.max_calls:
                 session.refused += 1
                 request.answer(429, error(f"this session made its max_calls = {self.max_calls} calls"))
                 continue
             try:
                 prepared = self.prepare(request)
             except BadRequest as err:
-                self.bad_requests += 1
+                self.gateway.bad_request()
                 request.answer(400, error(str(err)))
                 continue
+            taken[session.id] = calls + 1
             groups.setdefault((prepared.limit, prepared.stop_texts), []).append(prepared)
         for (limit, stop_texts), group in groups.items():
             self.generate(group, limit, stop_texts)
@@ -126,8 +141,8 @@ class CallServer:
                 raise BadRequest(f"the prompt's {len(ids)} tokens fill the context of {self.context_limit} tokens")
             limit = min(limit, room)
         stop = body.get("stop") or ()
-        stop = (stop,) if isinstance(stop, str) else tuple(stop)
-        if not all(isinstance(s, str) for s in stop):
+        stop = (stop,) if isinstance(stop, str) else stop
+        if not isinstance(stop, list | tuple) or not all(isinstance(s, str) for s in stop):  # a number: not a crash
             raise BadRequest("stop must be a string or a list of strings")
         return Prepared(request, ids, limit, tuple(s for s in stop if s), bool(body.get("include_stop_str_in_output")))
 
@@ -208,8 +223,16 @@ class CallServer:
             )
             self.answer(prepared, call)
 
+    def abandon(self, request: PendingRequest) -> None:
+        """``request``'s client has gone: no row, no answer, counted."""
+        self.abandoned += 1
+        request.abandon()
+
     def answer(self, prepared: Prepared, call: Call) -> None:
         request = prepared.request
+        if request.client_gone():  # it timed out while its completion was drawn: the agent never sees it
+            self.abandon(request)
+            return
         if not self.gateway.record(request.session, call):  # ended while generating: no row, refused
             self.gateway.refuse()
             request.answer(403, error("this session has ended", code="session_ended"))

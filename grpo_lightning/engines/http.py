@@ -15,12 +15,15 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from grpo_lightning.errors import ServiceError
+
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-class ServerError(RuntimeError):
-    """A rollout server that cannot be used (down, dead, restarted, too slow, refusing): the run stops with this
-    one line, which names the server. ``status``: the HTTP status of a refusal (None for the other faults)."""
+class ServerError(ServiceError):
+    """A vLLM server that cannot be used (down, dead, restarted, too slow, refusing): the run stops with this one
+    line, which names the server (exit status 3, ``errors.py``). ``status``: the HTTP status of a refusal (None for
+    the other faults)."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)

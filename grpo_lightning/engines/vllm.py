@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from grpo_lightning.config import ConfigError
 from grpo_lightning.config_checks import config_context_length
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams, completions_from_rows
+from grpo_lightning.engines.vllm_loading import reload_checked
 from grpo_lightning.engines.weights import policy_weights, policy_weights_shapes
 from grpo_lightning.lora import is_peft_model
 from grpo_lightning.vision.inputs import placeholder_token_ids
@@ -201,21 +202,26 @@ class VLLMEngine(RolloutEngine):
     # -------------------------------------------------------------------------------------------- weights
     def load_weights(self, policy: nn.Module, version: int) -> None:
         """Push every weight under its Hugging Face name, or the one vLLM's loader wants where they differ (a LLaVA
-        tower's, ``vision/vllm_weights.py``); LoRA merged in, FSDP2 shards gathered one at a time."""
+        tower's, ``vision/vllm_weights.py``); LoRA merged in, FSDP2 shards gathered one at a time. A push that
+        leaves any of vLLM's weights unloaded stops the run in one line naming the first (``vllm_loading.py``)."""
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
+        self.weights_version = None  # vLLM holds none of the policy's versions until this push has loaded it all
         expected = dict(policy_weights_shapes(policy))
-        pushed = set()
 
         def weights() -> Iterator[tuple[str, Tensor]]:
             for name, tensor in policy_weights(policy):
                 if name not in expected or tuple(tensor.shape) != expected[name]:
                     raise RuntimeError(f"the weight {name} of shape {tuple(tensor.shape)} is not the policy's")
-                pushed.add(name)
                 yield vllm_name(self.config, name), tensor
 
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights(), "is_checkpoint_format": True})
+        problems = self.llm.collective_rpc(reload_checked, kwargs={"weights_iterator": weights()})
+        if problem := next((p for p in problems if p is not None), None):
+            raise ConfigError(
+                f"data.engine: vllm cannot sample from this policy: {problem}; vLLM's loader takes this model's "
+                "weights under other names (set data.engine: transformers)"
+            )
         # vLLM keys its prefix cache by token ids alone: KV cached before the push came from the old weights.
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM did not clear its prefix cache after the weight push (requests still running)")

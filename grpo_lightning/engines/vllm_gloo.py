@@ -2,7 +2,9 @@
 
 vLLM ships transports for GPUs only (NCCL, CUDA IPC, ...). This one receives the trainer's broadcasts over a gloo
 process group (``weight_transfer.gloo_group``) and loads each tensor as vLLM's NCCL engine does: inside vLLM's
-layerwise reload, which re-packs the CPU kernels' weights once the update is finished. It is registered under
+layerwise reload, which re-packs the CPU kernels' weights once the update is finished. Unlike that engine it then
+checks what the model's loader took: a push that leaves any weight unloaded is refused, naming the first
+(``engines/vllm_loading.py``). It is registered under
 the name ``gloo`` by ``grpo_lightning.engines.vllm_plugin`` (a ``vllm.general_plugins`` entry point), so a server
 started with ``--weight-transfer-config '{"backend": "gloo"}'`` in an environment with grpo_lightning installed
 can take the trainer's weights. Imported in the server's processes only (it imports vLLM).
@@ -10,6 +12,7 @@ can take the trainer's weights. Imported in the server's processes only (it impo
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +23,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from grpo_lightning.engines.vllm_loading import load_checked
 from grpo_lightning.engines.weight_transfer import gloo_broadcast, gloo_group
 
 
@@ -79,12 +83,23 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.receive_weights(self.parse_update_info(update_info))  # on the CPU: nothing to synchronise
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        """Every weight of the push, loaded as it arrives; a push that leaves any of the model's weights unloaded is
+        refused with one line naming the first (``vllm_loading.py``; the trainer sends a push in one update)."""
         if self.group is None:
             raise RuntimeError("the gloo weight transfer is not initialised: call init_weight_transfer_engine first")
-        for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
-            weight = torch.empty(shape, dtype=getattr(torch, dtype_name))
-            gloo_broadcast(self.group, weight)
-            self.model.load_weights([(name, weight.to(self.device))])
+
+        def received() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
+                weight = torch.empty(shape, dtype=getattr(torch, dtype_name))
+                gloo_broadcast(self.group, weight)
+                yield name, weight.to(self.device)
+
+        problem = load_checked(self.model, received(), lora=self.vllm_config.lora_config is not None)
+        if problem is not None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)  # no layer left waiting for the next push
+            raise ValueError(problem)
 
     def shutdown(self) -> None:
         self.group, self._store = None, None

@@ -164,6 +164,16 @@ class Environment(ABC):
         length limit); added to the turns' ``Step.rewards``. None (an empty dict) by default."""
         return {}
 
+    def reward_weights(self) -> dict[str, float]:
+        """Each reward part's weight, by the part's name: the scorer weighs the part's column ``env_<name>`` with
+        it where it weighs ``data.rewards`` (``rewards/scorer.py``), so that every advantage estimator sees it alike
+        (GDPO normalises a column before weighing it). A part not named here weighs 1; none by default.
+
+        A part is the environment's value as it is: a trajectory whose environment gave no part of a name (no turn
+        earned it, ``final_rewards`` left it out) has None, "not applicable", in that column, as a reward function's
+        None (TRL's rule for its environments' ``get_reward``)."""
+        return {}
+
     def close(self) -> None:
         """Let go of what the environment holds across trajectories (sessions, a server the run started), asked
         when the run ends, also after an error; a later use may start them again. Nothing by default."""

@@ -26,6 +26,7 @@ import urllib.request
 from typing import IO, Any
 
 from grpo_lightning.config import ConfigError
+from grpo_lightning.errors import EnvironmentCrashed, ServiceError
 
 PORT = "{port}"  # where a command takes the port the run chose
 # Run before the server's command: asks the kernel to SIGTERM it when its parent dies (Linux), checks that the
@@ -86,8 +87,8 @@ class LocalServer:
         self.log: IO[bytes] | None = None  # the server's output: a file already unlinked, read through this handle
 
     def start(self) -> str:
-        """Starts the server and waits until it is ready; its URL. A server that exits or does not answer within
-        ``startup_timeout_s`` is stopped and reported in one line (``RuntimeError``)."""
+        """Starts the server and waits until it is ready; its URL. A server that exits (``EnvironmentCrashed``) or
+        does not answer within ``startup_timeout_s`` (``ServiceError``) is stopped and reported in one line."""
         port = free_port()
         argv = [arg.replace(PORT, str(port)) for arg in self.argv]
         handle, path = tempfile.mkstemp(prefix="grpo-env-server-", suffix=".log")
@@ -105,10 +106,10 @@ class LocalServer:
             if self.process.poll() is not None:
                 reason = self.failure()
                 self.stop()
-                raise RuntimeError(f"data.environment: the {self.name} server ({shlex.join(argv)}) {reason}")
+                raise EnvironmentCrashed(f"data.environment: the {self.name} server ({shlex.join(argv)}) {reason}")
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(
+                raise ServiceError(
                     f"data.environment: the {self.name} server ({shlex.join(argv)}) did not answer {self.url}/health "
                     f"within {self.startup_timeout_s:g}s; raise init_args.startup_timeout_s if it starts slowly"
                 )

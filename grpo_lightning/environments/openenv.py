@@ -123,7 +123,7 @@ class OpenEnvEnvironment(Environment):
                 the tokenizer has one).
             observation_role: the role of an observation's message (``user``, or ``tool`` for a template that takes it).
             reward_name: the reward part the observations' rewards are summed into (``env_<reward_name>``).
-            reward_weight: what each reward is multiplied by.
+            reward_weight: the weight of the part's column, as a ``data.rewards`` weight (``reward_weights``).
             timeout_s: time limit of one request (connect, reset, step).
             max_retries: tries after the first, for a fault of the server or the connection.
             max_concurrency: trajectories stepped at once (threads; 1: one at a time).
@@ -227,7 +227,7 @@ class OpenEnvEnvironment(Environment):
             raise RuntimeError("OpenEnvEnvironment.step before reset: a trajectory's copy is reset first")
         before = self.session.retries
         answer = self.session.step(action)
-        rewards = {} if answer["reward"] is None else {self.reward_name: self.reward_weight * float(answer["reward"])}
+        rewards = {} if answer["reward"] is None else {self.reward_name: float(answer["reward"])}  # reward_weights()
         metrics = {"openenv_retries": float(self.session.retries - before)}
         if answer["done"]:
             return Step(rewards=rewards, done=True, metrics=metrics)
@@ -241,7 +241,11 @@ class OpenEnvEnvironment(Environment):
             return {}
         self.session.close()
         reward = (self.session.reset_answer or {}).get("reward")
-        return {self.reward_name: self.reward_weight * float(reward)} if reward else {}
+        return {self.reward_name: float(reward)} if reward else {}
+
+    def reward_weights(self) -> dict[str, float]:
+        """``reward_weight``, the weight of the column ``env_<reward_name>`` (applied where data.rewards' are)."""
+        return {self.reward_name: self.reward_weight}
 
     def close(self) -> None:
         """Closes every open session and stops the server the run started (also done at the interpreter's exit)."""

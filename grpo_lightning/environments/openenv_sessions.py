@@ -8,8 +8,11 @@ Faults: every request is bounded by ``timeout_s``; a refused connection, a timeo
 (its environment raised) or a dropped session is retried ``max_retries`` times (``with_retries``, pauses of 0.25 s,
 0.5 s, ...) on a new session, reset with the same arguments and the trajectory's actions replayed, each answer
 compared with the first time's (metadata aside): a replay that answers differently is reported, never continued as
-another episode. Then one line naming the environment and its URL. A server of the run's own that has exited is
-reported at once, with its exit code and last output; a request the server refuses as invalid is a ``ConfigError``.
+another episode. Then one line naming the environment and its URL: a ``ServiceError`` when the server could not
+be reached, answered too late or was at capacity, an ``EnvironmentCrashed`` when the environment itself raised on the
+server (or could not be made) or a replay diverged (``errors.py``: exit status 3 and 4). A server of the run's own
+that has exited is reported at once (``EnvironmentCrashed``), with its exit code and last output; a request the
+server refuses as invalid is a ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -26,9 +29,13 @@ from typing import Any
 
 from grpo_lightning.config import ConfigError
 from grpo_lightning.environments.local_server import LocalServer, open_url
+from grpo_lightning.errors import EnvironmentCrashed, ServiceError
 
 SETTING = "data.environment.init_args"
 _SERVER_ERROR = re.compile(r"\(code: ([A-Z_]+)\)\s*$")  # how an OpenEnv client words an error the server answered
+# The codes (openenv's ``WSErrorCode``) of an answer that says the environment itself failed: it raised in reset or
+# step, or could not be made. The others (capacity, a session error) and no answer at all are the service's.
+_ENVIRONMENT_FAILED = ("EXECUTION_ERROR", "FACTORY_ERROR")
 
 
 def one_line(err: BaseException) -> str:
@@ -69,7 +76,7 @@ def get_json(url: str, timeout_s: float) -> dict[str, Any] | None:
     except urllib.error.HTTPError as err:
         if err.code == 404:
             return None
-        raise RuntimeError(f"GET {url}: HTTP {err.code}") from err
+        raise ServiceError(f"GET {url}: HTTP {err.code}") from err
 
 
 class OpenEnvBackend:
@@ -103,7 +110,7 @@ class OpenEnvBackend:
                 # follows the thread that started it, and a rollout's worker thread may end before the run does.
                 asyncio.run_coroutine_threadsafe(_called(self.server.start), self._loop()).result()
             elif not self.server.alive:
-                raise RuntimeError(
+                raise EnvironmentCrashed(
                     f"data.environment: the OpenEnv server the run started at {self.server.url} {self.server.failure()}"
                 )
             return self.server.url
@@ -151,17 +158,18 @@ def with_retries(
     on_retry: Callable[[], None] = lambda: None,
 ) -> Any:
     """``call(url)``, tried ``1 + max_retries`` times on a fault of the server or the connection (``on_retry``
-    before each retry); then one line (``RuntimeError``) naming the environment (``where()``) and the fault."""
+    before each retry); then one line naming the environment (``where()``) and the fault: ``EnvironmentCrashed``
+    when the environment itself failed on the server (the last answer's code), else ``ServiceError``."""
     import websockets.exceptions  # openenv's transport (one of its dependencies)
 
     faults = (OSError, RuntimeError, asyncio.TimeoutError, websockets.exceptions.WebSocketException)
-    reason = ""
+    reason, failed = "", ServiceError
     for attempt in range(max_retries + 1):
         url = backend.url()  # a server of the run's own: started, or its exit reported now
         try:
             return call(url)
         except _Diverged as err:
-            raise RuntimeError(
+            raise EnvironmentCrashed(
                 f"data.environment: {where()} dropped a trajectory's session and {err} (reset or step is not "
                 "deterministic; pass the seed to reset through init_args.reset_columns)"
             ) from err
@@ -172,6 +180,7 @@ def with_retries(
                     f"{SETTING}: {where()} refused the {what} request as invalid ({reason}); check action_field "
                     "(the action's text field) and reset_columns"
                 ) from err
+            failed = EnvironmentCrashed if code and code.group(1) in _ENVIRONMENT_FAILED else ServiceError
             if isinstance(err, (asyncio.TimeoutError, TimeoutError)):
                 reason = f"no answer within timeout_s = {timeout_s:g}s"
             if attempt < max_retries:
@@ -185,7 +194,7 @@ def with_retries(
         else "check the server, or raise init_args.timeout_s / max_retries"
     )
     tries = f"{max_retries + 1} tries"
-    raise RuntimeError(f"data.environment: {where()} failed to {what} after {tries} ({reason}); {advice}")
+    raise failed(f"data.environment: {where()} failed to {what} after {tries} ({reason}); {advice}")
 
 
 class OpenEnvSession:

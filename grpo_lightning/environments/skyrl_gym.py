@@ -29,6 +29,7 @@ from typing import Any
 from grpo_lightning.config import ConfigError
 from grpo_lightning.environments.base import Environment, Step
 from grpo_lightning.environments.message_frames import MessageFrame, check_frame, check_frame_fits, fit_messages
+from grpo_lightning.errors import EnvironmentCrashed
 
 SETTING = "data.environment.init_args"
 INSTALL = 'pip install -e ".[skyrl-gym]"'
@@ -83,7 +84,7 @@ class SkyRLGymEnvironment(Environment):
             frame: ``chat_template`` (the step's messages rendered by the chat template, up to the next assistant
                 header), ``plain`` (their contents) or ``auto`` (the chat template when the tokenizer has one).
             reward_name: the reward part the steps' rewards are summed into (``env_<reward_name>``).
-            reward_weight: what each reward is multiplied by.
+            reward_weight: the weight of the part's column, as a ``data.rewards`` weight (``reward_weights``).
             max_concurrency: trajectories stepped at once (threads: for environments that wait on I/O).
             max_turns: policy turns per trajectory at most (also given to the environment as ``extras.max_turns``).
             max_turn_tokens: tokens per policy turn; None = ``data.sampling.max_new_tokens``.
@@ -174,11 +175,15 @@ class SkyRLGymEnvironment(Environment):
     def step(self, turn: str) -> Step:
         output = self._call("step", turn)
         reward = output.get("reward")
-        rewards = {} if reward is None else {self.reward_name: self.reward_weight * float(reward)}
+        rewards = {} if reward is None else {self.reward_name: float(reward)}  # weighed by reward_weights()
         if output.get("done"):
             return Step(rewards=rewards, done=True)
         observation = fit_messages(self, self.frame, list(output.get("observations") or []))
         return Step(observation=observation, rewards=rewards)
+
+    def reward_weights(self) -> dict[str, float]:
+        """``reward_weight``, the weight of the column ``env_<reward_name>``."""
+        return {self.reward_name: self.reward_weight}
 
     def final_rewards(self) -> dict[str, float]:
         """Closes this trajectory's instance (its rewards came with its steps)."""
@@ -191,7 +196,7 @@ class SkyRLGymEnvironment(Environment):
         try:
             return getattr(self.env, method)(*arguments)
         except Exception as err:  # noqa: BLE001 - the environment's own failure: one line naming it
-            raise RuntimeError(
+            raise EnvironmentCrashed(
                 f"data.environment: the skyrl-gym environment {self.id!r} failed in {method} "
                 f"({type(err).__name__}: {_one_line(err)})"
             ) from err

@@ -33,6 +33,8 @@ from grpo_lightning.rewards.sandbox import SandboxError
 
 # The longest cut the setup message makes room for in the full marker: a result of up to a billion characters.
 _LARGEST_CUT = 999_999_999
+# What every step of a tool environment counts (``rollout/<name>_mean`` in the logs): the same names every round.
+TOOL_METRICS = ("tool_calls", "tool_errors", "tool_seconds")
 
 
 def check_result_frame(environment: Environment, format: ToolFormat) -> None:
@@ -108,7 +110,7 @@ class ToolEnvironment(Environment):
     def step(self, turn: str) -> Step:
         call = self.format.last_call(turn)
         if call is None:
-            return Step(done=True)  # no tool call: the final answer
+            return final_answer()
         return tool_step(self, lambda: self.run(call.name, call.argument) if call.error is None else (call.error, True))
 
     def run(self, name: str | None, argument: str) -> tuple[str, bool]:
@@ -132,6 +134,13 @@ class ToolEnvironment(Environment):
         return value, False
 
 
+def final_answer() -> Step:
+    """The step of a turn without a tool call: the final answer, which ends the trajectory. It counts 0 of each
+    ``TOOL_METRICS``, so that a round in which no trajectory calls a tool logs them as 0 rather than not at all (a
+    metric that comes and goes breaks its curve and the runs' comparison)."""
+    return Step(done=True, metrics=dict.fromkeys(TOOL_METRICS, 0.0))
+
+
 def tool_step(environment: Any, call: Callable[[], tuple[str, bool]]) -> Step:
     """One tool call's answer: ``call()``'s ``(result, failed)``, a failure as ``error: <why>``, cut to fit its frame
     (``environment.format.result``, ``environment.max_result_chars``: ``ToolEnvironment``'s and ``TRLEnvironment``'s),
@@ -141,7 +150,7 @@ def tool_step(environment: Any, call: Callable[[], tuple[str, bool]]) -> Step:
     seconds = time.perf_counter() - start
     if failed:
         text = f"error: {text}"
-    metrics = {"tool_calls": 1.0, "tool_errors": float(failed), "tool_seconds": seconds}
+    metrics = dict(zip(TOOL_METRICS, (1.0, float(failed), seconds), strict=True))
     result_frame = environment.format.result
     observation = environment.fit_observation(text, result_frame, max_chars=environment.max_result_chars)
     return Step(observation=observation, metrics=metrics)

@@ -28,6 +28,7 @@ from dataclasses import replace
 from typing import Any
 
 from grpo_lightning.config import ConfigError
+from grpo_lightning.errors import EnvironmentCrashed
 from grpo_lightning.rewards.sandbox import SandboxConfig, SandboxError, run_tests
 
 Tool = Callable[[str], str]
@@ -37,8 +38,9 @@ class ToolError(Exception):
     """A tool refused its input or failed; the message becomes the observation ``error: <message>``."""
 
 
-class ToolBroken(RuntimeError):
-    """The tool itself is broken (not the call): raised, it stops the rollout with one line naming the tool."""
+class ToolBroken(EnvironmentCrashed):
+    """The tool itself is broken (not the call): raised, it stops the rollout with one line naming the tool (exit
+    status 4, ``errors.py``)."""
 
 
 # ----------------------------------------------------------------------------------------------- calculator

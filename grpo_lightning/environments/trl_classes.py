@@ -16,8 +16,10 @@ Here the same class runs through the multi-turn rollout (``rollout/multiturn.py`
 trajectory (made when its copy of this environment is reset, as the row names the class); the schemas reach the
 prompt through ``prompt_tools`` and reset's text through ``trajectory_prompt`` (rendered as TRL renders them); calls
 and results are in the chat template's own format (``chat_formats.py``); ``get_reward`` is a ``final_rewards`` part
-``<ClassName>`` (logged ``reward/env_<ClassName>``), added to the total with weight 1 as in TRL; reward functions
-get each trajectory's prompt as TRL's do (reset's text in it) and its instance as ``environments`` (``reward_view``).
+``<ClassName>`` (logged ``reward/env_<ClassName>``), a reward column of weight 1 as in TRL: None (TRL's NaN) for a
+trajectory of another class or whose ``get_reward`` returned None, so out of that column's mean and, when no other
+column scores it, out of its group's baseline (``rewards/scorer.py``); reward functions get each trajectory's prompt
+as TRL's do (reset's text in it) and its instance as ``environments`` (``reward_view``).
 
 Where this differs from TRL, on purpose:
 
@@ -27,9 +29,8 @@ Where this differs from TRL, on purpose:
 - a result is cut to fit ``max_observation_tokens`` inside the template's frame (TRL keeps it whole, or drops it and
   ends the rollout when it overflows the completion length);
 - a fresh instance per trajectory (TRL keeps a pool of instances and resets them between rollouts);
-- a trajectory of a class without ``get_reward`` scores 0 in another class's reward column (TRL: None, left out of
-  that column's mean; the totals are the same); ``max_turns`` bounds the turns (TRL's ``max_tool_calling_iterations``
-  is unbounded by default); text only (a list of content parts from ``reset`` or a tool is not supported);
+- ``max_turns`` bounds the turns (TRL's ``max_tool_calling_iterations`` is unbounded by default); text only (a list
+  of content parts from ``reset`` or a tool is not supported);
 - ``data.rewards`` is still needed (TRL's ``reward_funcs`` may be left out when the class has ``get_reward``).
 """
 
@@ -46,7 +47,7 @@ from grpo_lightning.config import ConfigError
 from grpo_lightning.environments.base import Environment, Step
 from grpo_lightning.environments.chat_formats import FAMILIES, SETTING, detect_chat_format
 from grpo_lightning.environments.formats import TagFormat, ToolCall, ToolFormat
-from grpo_lightning.environments.tool_env import check_result_frame, tool_step
+from grpo_lightning.environments.tool_env import check_result_frame, final_answer, tool_step
 from grpo_lightning.environments.tools import ToolBroken
 from grpo_lightning.rewards.time_limits import TimeLimitExceeded, time_limit
 
@@ -285,7 +286,7 @@ class TRLEnvironment(Environment):
     def step(self, turn: str) -> Step:
         call = self.format.last_call(turn)
         if call is None:
-            return Step(done=True)  # no tool call: the final answer
+            return final_answer()  # no tool call: the final answer
         return tool_step(self, lambda: self.run(call) if call.error is None else (call.error, True))
 
     def run(self, call: ToolCall) -> tuple[str, bool]:

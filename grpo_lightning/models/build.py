@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning.models.sources import (
+    POLICY,
     check_model_source,
     fix_special_tokens,
     model_eos_token_id,
@@ -18,23 +19,24 @@ from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, bu
 from grpo_lightning.vision.models import is_vision_model, load_vision_model, load_vision_tokenizer
 
 
-def load_tokenizer(model_name_or_path: str | None) -> PreTrainedTokenizerBase:
+def load_tokenizer(model_name_or_path: str | None, setting: str = POLICY) -> PreTrainedTokenizerBase:
     """The model's tokenizer, left-padding (generation appends on the right); the character tokenizer of the tiny
     Llama when ``model_name_or_path`` is None. A missing eos comes from the model config and a missing pad is eos
-    (masked out everywhere), each with a warning."""
+    (masked out everywhere), each with a warning. ``setting``: the config key that names the model (the policy's,
+    or ``model.teacher.model_name_or_path``), for a one-line error when it cannot be loaded."""
     if model_name_or_path is None:
         return build_char_tokenizer()
-    check_model_source(model_name_or_path)
+    check_model_source(model_name_or_path, setting)
     try:
         if is_vision_model(model_name_or_path):  # its processor's tokenizer, carrying the processor
             tokenizer = load_vision_tokenizer(model_name_or_path)
         else:
             tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
     except OSError as err:  # not on the Hub, no network, a private repository: one line that names the setting
-        raise model_source_error(model_name_or_path, err) from err
+        raise model_source_error(model_name_or_path, err, setting) from err
     tokenizer.padding_side = "left"
     eos = model_eos_token_id(model_name_or_path) if tokenizer.eos_token is None else None
-    return fix_special_tokens(tokenizer, model_name_or_path, eos)
+    return fix_special_tokens(tokenizer, model_name_or_path, eos, setting)
 
 
 def load_model(

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from grpo_lightning.models.cpu_packing import Packer, packed_linear, pass_packer
+from grpo_lightning.models.cpu_packing import PackPlan, packed_linear, product_groups, stackable, stacked_weight
+from grpo_lightning.models.cpu_packing_rule import pass_plan
 from grpo_lightning.models.swiglu import swiglu_down
 
 try:
@@ -118,58 +119,52 @@ class LayerWeights(NamedTuple):
     head_dim: int
     scaling: float
     silu: bool = False  # ``act`` is SiLU: the block runs as ``swiglu_down`` (half the saved activations)
-    qkv: Projection | None = None  # q, k and v stacked into one product (weights read with a ``Packer``)
-    gate_up: Projection | None = None  # gate and up stacked into one product
+    qkv: Projection | None = None  # q, k and v stacked into one packed product (``PackPlan``)
+    gate_up: Projection | None = None  # gate and up stacked into one packed product
 
 
 def norm_weights(module: nn.Module) -> Norm:
     return Norm(module.weight, module.variance_epsilon)
 
 
-def decoder_weights(model: nn.Module, pack: Packer | None = None) -> list[LayerWeights]:
+def decoder_weights(model: nn.Module, plan: PackPlan | None = None) -> list[LayerWeights]:
     """Every decoder layer's ``LayerWeights`` (``layer_weights``)."""
-    return [layer_weights(layer, pack) for layer in model.model.layers]
+    return [layer_weights(layer, plan) for layer in model.model.layers]
 
 
-def layer_weights(layer: nn.Module, pack: Packer | None = None) -> LayerWeights:
-    """A decoder layer's ``LayerWeights``. With ``pack`` (``models/cpu_packing.py``), the weights are copied
-    anyway: q, k, v are stacked into one product and gate, up into another (one call each instead of three and
-    two, larger products), and each weight is pre-packed where ``pack`` takes it."""
+def layer_weights(layer: nn.Module, plan: PackPlan | None = None) -> LayerWeights:
+    """A decoder layer's ``LayerWeights``. The product groups ``plan`` names (``models/cpu_packing.py``) multiply
+    by packed copies of their weights, q, k, v stacked into one product and gate, up into another (one call each
+    instead of three and two); the others by the parameters themselves."""
     attn, mlp = layer.self_attn, layer.mlp
+    groups = product_groups(layer)
 
-    def projection(*linears: nn.Linear) -> Projection:
-        weight, bias = linears[0].weight, linears[0].bias
-        if len(linears) > 1:
-            weight = torch.cat([linear.weight.detach() for linear in linears])
-            bias = None if bias is None else torch.cat([linear.bias.detach() for linear in linears])
-        return Projection(weight, bias, pack(weight) if pack is not None else None)
+    def plain(linear: nn.Linear) -> Projection:
+        return Projection(linear.weight, linear.bias)
 
-    def stacked(*linears: nn.Linear) -> Projection | None:
-        # Where every part has a bias or none has (Qwen2's q, k, v all have one).
-        if pack is None or len({linear.bias is None for linear in linears}) > 1:
+    def packed(name: str) -> Projection | None:
+        # The rule packs a group of several parts only where they stack (``cpu_packing_rule.measure``).
+        linears = groups[name]
+        if plan is None or name not in plan.groups or (len(linears) > 1 and not stackable(linears)):
             return None
-        return projection(*linears)
+        weight, bias = stacked_weight(linears) if len(linears) > 1 else (linears[0].weight, linears[0].bias)
+        return Projection(weight, bias, plan.packer(weight))
 
-    def part(linear: nn.Linear, stack: Projection | None) -> Projection:
-        # A stacked product's part is never multiplied alone: not packed.
-        return projection(linear) if stack is None else Projection(linear.weight, linear.bias)
-
-    qkv = stacked(attn.q_proj, attn.k_proj, attn.v_proj)
-    gate_up = stacked(mlp.gate_proj, mlp.up_proj)
+    qkv, gate_up = packed("qkv"), packed("gate_up")
     qk_norm = hasattr(attn, "q_norm")
     return LayerWeights(
         layer_idx=attn.layer_idx,
         input_norm=norm_weights(layer.input_layernorm),
-        q=part(attn.q_proj, qkv),
-        k=part(attn.k_proj, qkv),
-        v=part(attn.v_proj, qkv),
-        o=projection(attn.o_proj),
+        q=plain(attn.q_proj),  # with ``qkv``, a stacked product's part is never multiplied alone
+        k=plain(attn.k_proj),
+        v=plain(attn.v_proj),
+        o=packed("o") or plain(attn.o_proj),
         q_norm=norm_weights(attn.q_norm) if qk_norm else None,
         k_norm=norm_weights(attn.k_norm) if qk_norm else None,
         post_attention_norm=norm_weights(layer.post_attention_layernorm),
-        gate=part(mlp.gate_proj, gate_up),
-        up=part(mlp.up_proj, gate_up),
-        down=projection(mlp.down_proj),
+        gate=plain(mlp.gate_proj),
+        up=plain(mlp.up_proj),
+        down=packed("down") or plain(mlp.down_proj),
         act=mlp.act_fn,
         head_dim=attn.head_dim,
         scaling=attn.scaling,
@@ -249,16 +244,16 @@ def decoder_hidden(
     ``mask`` ``[rows or 1, 1, S, K]`` (True = attend) covers the K keys that ``keys_values`` returns for each
     layer; None lets every position attend to every key; ``CAUSAL`` is causal attention among the S positions
     (which must be all the keys). ``layers``: the model's ``decoder_weights``, when the caller keeps them; else
-    each layer's are read as it runs, pre-packed for a large pass without gradients on CPU (``pass_packer``: one
-    layer's packed weights alive at a time).
+    each layer's are read as it runs, the groups where it pays pre-packed for a large pass without gradients on
+    CPU (``pass_plan``: one layer's packed weights alive at a time).
     """
     inner = model.model
     x = inner.embed_tokens(input_ids)
     cos, sin = inner.rotary_emb(x, positions)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     if layers is None:
-        pack = pass_packer(x, input_ids.numel())
-        layers = (layer_weights(layer, pack) for layer in inner.layers)
+        plan = pass_plan(model, x, input_ids.numel())
+        layers = (layer_weights(layer, plan) for layer in inner.layers)
     for w in layers:
         x = x + _attention(w, rms_norm(x, w.input_norm), cos, sin, mask, keys_values)
         x = x + _mlp(w, rms_norm(x, w.post_attention_norm))

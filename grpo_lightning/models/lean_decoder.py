@@ -1,6 +1,6 @@
 """Decoding on the lean forward: ``LeanDecoder`` (a shared prefill, or only the new tokens after kept keys and
 values, then one token per row into preallocated key and value buffers), its weights read once for all steps
-(on CPU in oneDNN's blocked layout: ``models/cpu_packing.py``).
+(on CPU, where it pays, in oneDNN's blocked layout: ``models/cpu_packing_rule.py``).
 
 The ``lean`` rollout engine (``grpo_lightning.engines.lean``) samples with it; ``models/lean.py`` holds the forward.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from grpo_lightning.models.cpu_packing import PACK_MIN_ELEMENTS, cpu_weight_packer
+from grpo_lightning.models.cpu_packing_rule import decode_plan
 from grpo_lightning.models.lean import (
     Projection,
     decoder_hidden,
@@ -28,11 +28,11 @@ class LeanDecoder:
 
     ``prefill`` runs each prompt once and copies its keys and values into buffers sized for the whole completion,
     once per sample of its group; ``decode`` writes one position per step and attends to the filled part. On CPU,
-    weights are pre-packed for the decoding steps (``cpu_weight_packer``).
+    weights are pre-packed for the decoding steps where that pays (``decode_plan``).
     """
 
-    def __init__(self, model: nn.Module, pack_min_elements: int = PACK_MIN_ELEMENTS) -> None:
-        self.model, self.pack_min_elements = model, pack_min_elements
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
 
     @torch.no_grad()
     def prefill(self, prompt_ids: Tensor, prompt_mask: Tensor, group_size: int, max_new_tokens: int) -> Tensor:
@@ -92,10 +92,11 @@ class LeanDecoder:
     def _start_decoding(self, last_hidden: Tensor, positions: Tensor, key_mask: Tensor | None) -> Tensor:
         """The logits of ``last_hidden``; the state ``decode`` starts from: ``positions`` ``[N, 1]`` of the decoding
         rows' last tokens, ``key_mask`` ``[N, capacity]`` (None: every column open)."""
-        # Read once for all decoding steps; on CPU in float32, q, k, v (gate, up) stacked into one product and the
-        # weights pre-packed (``cpu_weight_packer``).
-        like = self.model.lm_head.weight
-        self.layers = decoder_weights(self.model, cpu_weight_packer(positions.size(0), self.pack_min_elements, like))
+        # Read once for all decoding steps (at most the buffers' free columns but the last: the last token drawn is
+        # never fed back); on CPU in float32 without autocast, the product groups where packing pays over that many
+        # steps are stacked and pre-packed (``decode_plan``).
+        steps = self.keys[0].size(2) - self.filled - 1
+        self.layers = decoder_weights(self.model, decode_plan(self.model, positions.size(0), steps))
         self.positions, self.key_mask = positions, key_mask
         self.final_norm = norm_weights(self.model.model.norm)
         self.output = Projection(self.model.lm_head.weight, self.model.lm_head.bias)

@@ -291,7 +291,7 @@ def completion_logprobs(
             # use_cache=False: a training forward has no use for a KV cache, and building one costs memory.
             extra = {"position_ids": mask_positions(attention)}
             if vision is not None:  # the micro-batch's own rows' images, and their positions
-                extra = forward_inputs(model, vision[rows], input_ids, attention)
+                extra = forward_inputs(model, vision[rows], input_ids, attention, prompt_width=prompt_ids.size(1))
             output = model(
                 input_ids=input_ids,
                 attention_mask=attention,

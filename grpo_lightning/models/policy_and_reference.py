@@ -1,8 +1,9 @@
 """The trained model as both LightningModules build it: policy (and reference), and the context it samples in.
 
 ``build_policy`` composes ``models/build.py``'s loading with what a run's settings ask for, in the order that
-matters: dropout off, the reference copied from the untouched policy, activation checkpointing, LoRA, then FSDP2
-sharding of both. ``GRPOModule`` and ``SFTModule`` call it from ``configure_model``.
+matters: the reference copied from the untouched policy, activation checkpointing, LoRA, dropout off (after LoRA,
+so that the adapters' dropout goes too), then FSDP2 sharding of both. ``GRPOModule`` and ``SFTModule`` call it
+from ``configure_model``.
 """
 
 from __future__ import annotations
@@ -46,8 +47,6 @@ def build_policy(
     """
     zero3 = bool(getattr(trainer.strategy, "zero_stage_3", False)) if trainer is not None else False
     policy = load_model(name, tiny_model, tokenizer)
-    if no_dropout:
-        disable_dropout(policy)  # before the reference is copied from it: both without dropout
     if freeze_vision_tower and is_vision_model(name):
         freeze_vision(policy)
     if mesh is not None and name is None:
@@ -59,8 +58,6 @@ def build_policy(
         if zero3 and name is None:
             raise ConfigError("DeepSpeed ZeRO-3 with model.objective.beta > 0 needs model.model_name_or_path")
         ref = load_model(name, tiny_model, tokenizer) if zero3 else copy.deepcopy(policy)
-        if no_dropout:
-            disable_dropout(ref)  # loaded a second time under ZeRO-3 (a copy already has none)
         ref.eval().requires_grad_(False)
     if gradient_checkpointing:
         enable_activation_checkpointing(policy)
@@ -69,6 +66,12 @@ def build_policy(
         policy = apply_lora(policy, lora, exclude=vision_tower_pattern() if frozen_tower else None)
         if mesh is not None:
             broadcast_module(policy, trainable_only=True)  # adapters start random on every rank
+    if no_dropout:
+        # After LoRA: PEFT's ``lora_dropout`` modules (model.lora.dropout) would otherwise drop in the update (train
+        # mode) and not in the sampler and π_old (eval mode), and the on-policy ratio would be off 1.
+        for model in (policy, ref):
+            if model is not None:
+                disable_dropout(model)
     policy.train()  # from_pretrained returns eval mode; the update runs in train mode
     if mesh is not None:
         mp_policy = None

@@ -31,13 +31,14 @@ from torch import Tensor
 
 from grpo_lightning.config import ConfigError
 from grpo_lightning.engines.http import ServerClient
+from grpo_lightning.vision.models import processor_of
 
 _PROBE_TEXT = "Question: what is 12 + 30?\nAnswer: 42. <think>carry the one</think> Ünïcödé 東京 🙂"
 
 
 class ServedTeacher:
     """The teacher of ``model.teacher.url``; the interface of ``teacher.Teacher`` (``build``, ``context_length``,
-    ``logprobs``, ``check_temperature``)."""
+    ``logprobs``, ``check_temperature``, ``check_student``)."""
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -85,8 +86,19 @@ class ServedTeacher:
                 "(model.teacher.model_name_or_path) whose pass applies any temperature"
             )
 
+    def check_student(self, vision: bool) -> None:
+        """Refuse a vision-language student (``vision``): the server scores token ids alone (vLLM's
+        ``/v1/completions`` takes no images), so it would read the images' placeholders without the images."""
+        if vision:
+            raise ConfigError(
+                "model.teacher.url: a served teacher scores token ids without images (vLLM's /v1/completions takes "
+                "none) and model.model_name_or_path is a vision-language model; load the teacher locally "
+                "(model.teacher.model_name_or_path, a vision-language model with the student's processor)"
+            )
+
     def build(self, student: torch.nn.Module, tokenizer: Any) -> None:
         """Check, before training, that the server's teacher reads the student's token ids as the student does."""
+        self.check_student(processor_of(tokenizer) is not None)
         self._served_models()
         probe_ids = _probe_ids(tokenizer)
         answer = self.client.post("/detokenize", {"model": self.model_name, "tokens": probe_ids}, retry=True)

@@ -1,8 +1,10 @@
-"""A model given by ``model.model_name_or_path``: is it there, whole, and does its tokenizer have what generation needs.
+"""A model given by a path setting (``model.model_name_or_path``, ``model.teacher.model_name_or_path``): is it there,
+whole, and does its tokenizer have what generation needs.
 
 Refused in one line that names the setting (``ConfigError``), before anything loads: a mistyped folder, a
-half-copied one (no weights, missing shards, no tokenizer files), a tokenizer without an eos token the model config
-could supply. ``models/build.py`` calls these before ``from_pretrained``.
+half-copied one (no weights, missing shards, no tokenizer files), a name the Hub cannot give (offline, no such
+repository), a tokenizer without an eos token the model config could supply. ``models/build.py`` calls these before
+``from_pretrained``; ``load_model_config`` reads a model's config (its context length) the same way.
 """
 
 from __future__ import annotations
@@ -16,26 +18,30 @@ from typing import TYPE_CHECKING, Any
 from grpo_lightning.config import ConfigError
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
+POLICY = "model.model_name_or_path"  # the setting that names the policy; a teacher's is model.teacher.<...>
 
 
 # ------------------------------------------------------------------------------------------------ tokenizer
 def fix_special_tokens(
-    tokenizer: PreTrainedTokenizerBase, name: str, eos_token_id: int | list[int] | None = None
+    tokenizer: PreTrainedTokenizerBase,
+    name: str,
+    eos_token_id: int | list[int] | None = None,
+    setting: str = POLICY,
 ) -> PreTrainedTokenizerBase:
     """Give ``tokenizer`` the eos and pad tokens that generation needs, where that is safe; refuse it otherwise.
 
     A missing eos is taken from the model's own config (``eos_token_id``), a missing pad becomes eos (padding is
-    masked out everywhere); both with a warning.
+    masked out everywhere); both with a warning. ``setting``: the config key that named ``name``, for the error.
     """
     if tokenizer.eos_token is None:
         ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
         ids = [i for i in ids if isinstance(i, int) and 0 <= i < len(tokenizer)]
         if not ids:
             raise ConfigError(
-                f"model.model_name_or_path: the tokenizer of {name!r} has no eos token and the model config names "
+                f"{setting}: the tokenizer of {name!r} has no eos token and the model config names "
                 "none; set tokenizer.eos_token in its tokenizer_config.json"
             )
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(ids[0])
@@ -66,8 +72,8 @@ def _model_config(name: str) -> Any:
 _REPO_ID = re.compile(r"(?!.*(?:--|\.\.))\w(?:[\w.\-]{0,94}\w)?(?:/\w(?:[\w.\-]{0,94}\w)?)?")
 
 
-def check_model_source(name: str) -> None:
-    """Refuse ``model.model_name_or_path`` when it can be neither a local model folder nor a Hub model name.
+def check_model_source(name: str, setting: str = POLICY) -> None:
+    """Refuse ``name`` (the value of ``setting``) when it can be neither a local model folder nor a Hub model name.
 
     ``transformers`` reads the value as a local folder only when that folder exists, and otherwise as a Hub name:
     a mistyped path would end in its traceback about repository ids.
@@ -75,17 +81,15 @@ def check_model_source(name: str) -> None:
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ConfigError(
-                f"model.model_name_or_path: the folder {name!r} has no config.json: not a Hugging Face model folder"
-            )
+            raise ConfigError(f"{setting}: the folder {name!r} has no config.json: not a Hugging Face model folder")
         missing = missing_model_files(path)
         if missing:
-            raise ConfigError(f"model.model_name_or_path: the folder {name!r} {missing}")
+            raise ConfigError(f"{setting}: the folder {name!r} {missing}")
         return
     if path.exists():
-        raise ConfigError(f"model.model_name_or_path: {name!r} is a file; give the model's folder or a Hub name")
+        raise ConfigError(f"{setting}: {name!r} is a file; give the model's folder or a Hub name")
     if not _REPO_ID.fullmatch(name):
-        raise ConfigError(f"model.model_name_or_path: no such local folder {name!r} (nor is it a Hub model name)")
+        raise ConfigError(f"{setting}: no such local folder {name!r} (nor is it a Hub model name)")
 
 
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -114,8 +118,20 @@ def missing_model_files(folder: Path) -> str | None:
     return None
 
 
-def model_source_error(name: str, err: OSError) -> ConfigError:
+def model_source_error(name: str, err: OSError, setting: str = POLICY) -> ConfigError:
     """``transformers``' failure to load ``name`` (not found locally nor on the Hub, offline, ...) in one line."""
     first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
     local = " (there is no local folder of that name either)" if "/" in name else ""
-    return ConfigError(f"model.model_name_or_path: cannot load {name!r}{local}: {first[:300]}")
+    return ConfigError(f"{setting}: cannot load {name!r}{local}: {first[:300]}")
+
+
+def load_model_config(name: str, setting: str = POLICY) -> PretrainedConfig:
+    """``name``'s model config (no weights), checked as ``check_model_source`` checks a model; a name neither here
+    nor on the Hub is one line naming ``setting`` (``model_source_error``), not ``transformers``' traceback."""
+    from transformers import AutoConfig
+
+    check_model_source(name, setting)
+    try:
+        return AutoConfig.from_pretrained(name)
+    except OSError as err:
+        raise model_source_error(name, err, setting) from err

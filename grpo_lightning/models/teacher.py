@@ -27,16 +27,20 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo_lightning.config import ConfigError
 from grpo_lightning.config_checks import config_context_length
 from grpo_lightning.models.build import disable_dropout, load_tokenizer
 from grpo_lightning.models.logprobs import completion_logprobs
 from grpo_lightning.models.served_teacher import ServedTeacher
+from grpo_lightning.models.sources import load_model_config
+from grpo_lightning.vision.model_inputs import same_encoding
+from grpo_lightning.vision.models import is_vision_model, load_vision_model, processor_of
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SCHEDULES = ("constant", "linear", "cosine", "step")
+_SETTING = "model.teacher.model_name_or_path"  # what a one-line error about the teacher's path names
 
 
 @dataclass
@@ -156,6 +160,7 @@ class Teacher:
         self.model: PreTrainedModel | None = None
 
     def build(self, student: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.check_student(processor_of(tokenizer) is not None)
         if self.model is None:
             self.model = load_teacher(self.config, student, tokenizer)
 
@@ -163,29 +168,43 @@ class Teacher:
         """The longest sequence the teacher reads (its config's, read without its weights: the data is checked
         before any model loads), None when unknown."""
         config = (
-            self.model.config if self.model is not None else AutoConfig.from_pretrained(self.config.model_name_or_path)
+            self.model.config if self.model is not None else load_model_config(self.config.model_name_or_path, _SETTING)
         )
         return config_context_length(config)
 
     def check_temperature(self, temperature: float) -> None:
         """Any temperature: the pass divides the teacher's logits by it."""
 
+    def check_student(self, vision: bool) -> None:
+        """Refuse a text teacher for a vision-language student (``vision``): it would read the images' placeholder
+        tokens as text, never the images. (Read from the teacher's config: no model loads.)"""
+        if vision and not is_vision_model(self.config.model_name_or_path):
+            raise ConfigError(
+                f"model.teacher.model_name_or_path {self.config.model_name_or_path!r} is a text model and "
+                "model.model_name_or_path a vision-language one: the teacher would score the image placeholders "
+                "without the images; give a vision-language teacher with the student's processor"
+            )
+
     @torch.no_grad()
     def logprobs(
         self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor, **kwargs: Any
     ) -> Tensor:
         """The teacher's log-probs ``[N, T]`` of the completion tokens (``completion_logprobs``' ``kwargs``: the
-        temperature, micro-batches, chunks, packing), on the inputs' device."""
+        temperature, micro-batches, chunks, packing, and a vision-language student's ``vision``: each row's image
+        inputs, which the teacher's processor makes alike: ``load_teacher``), on the inputs' device."""
         device = next(self.model.parameters()).device
         tensors = (t.to(device) for t in (prompt_ids, prompt_mask, completion_ids, completion_mask))
         return completion_logprobs(self.model, *tensors, **kwargs)[0].to(prompt_ids.device)
 
 
-def check_teacher_run(teacher: Teacher | ServedTeacher, temperature: float, rewards_teach: bool) -> None:
-    """Refuse, before training, a temperature τ_T the teacher cannot score at, and a weight schedule that stops the
-    teacher where the rewards give no signal of their own (``rewards_teach`` false): the rounds after it would
-    teach nothing."""
+def check_teacher_run(
+    teacher: Teacher | ServedTeacher, temperature: float, rewards_teach: bool, vision: bool = False
+) -> None:
+    """Refuse, before training, a temperature τ_T the teacher cannot score at, a teacher that cannot see a
+    vision-language student's images (``vision``), and a weight schedule that stops the teacher where the rewards
+    give no signal of their own (``rewards_teach`` false): the rounds after it would teach nothing."""
     teacher.check_temperature(temperature)
+    teacher.check_student(vision)
     config = teacher.config
     if config.weight_schedule != "constant" and not rewards_teach:
         raise ConfigError(
@@ -199,12 +218,27 @@ def load_teacher(
     config: TeacherConfig, student: torch.nn.Module, student_tokenizer: PreTrainedTokenizerBase
 ) -> PreTrainedModel:
     """The frozen teacher, in eval mode without dropout, on its device and dtype; refused in one line when its
-    vocabulary is not the student's (its log-prob of a token id would be another token's)."""
-    teacher_tokenizer = load_tokenizer(config.model_name_or_path)
-    check_same_vocabulary(student_tokenizer, teacher_tokenizer, config.model_name_or_path)
+    vocabulary is not the student's (its log-prob of a token id would be another token's), or, for a
+    vision-language student, when its processor encodes an image prompt otherwise (it is given the student's
+    image inputs with the student's ids: ``vision/model_inputs.py: same_encoding``)."""
+    name = config.model_name_or_path
+    teacher_tokenizer = load_tokenizer(name, _SETTING)
+    check_same_vocabulary(student_tokenizer, teacher_tokenizer, name)
+    student_processor, teacher_processor = processor_of(student_tokenizer), processor_of(teacher_tokenizer)
+    if student_processor is not None and teacher_processor is not None:
+        differs = same_encoding(student_processor, teacher_processor)
+        if differs is not None:
+            raise ConfigError(
+                f"model.teacher.model_name_or_path {name!r}: its processor encodes an image prompt otherwise than the "
+                f"student's ({differs}); the teacher is given the student's image inputs: give it the student's "
+                "image-processor settings"
+            )
     student_param = next(student.parameters())
     dtype = student_param.dtype if config.dtype == "auto" else _DTYPES[config.dtype]
-    teacher = AutoModelForCausalLM.from_pretrained(config.model_name_or_path, dtype=dtype)
+    if teacher_processor is not None:  # a vision-language teacher (also for a text student: it reads text too)
+        teacher = load_vision_model(name, dtype)
+    else:
+        teacher = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
     # Output layers padded to different sizes (Qwen2.5-7B's 152064 rows, 0.5B's 151936, one tokenizer) are fine:
     # only the log-prob of a sampled token, an id of the shared tokenizer, is read.
     teacher_rows = teacher.get_output_embeddings().weight.shape[0]

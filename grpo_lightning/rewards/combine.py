@@ -10,10 +10,11 @@ import functools
 import math
 import numbers
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from grpo_lightning.errors import UserFacingError
 from grpo_lightning.rewards.async_rewards import AsyncOutcome, run_one, start
 from grpo_lightning.rewards.inputs import RewardCall, check_reward_kwargs, is_async_reward
 from grpo_lightning.rewards.time_limits import TimeLimitExceeded, call_with_time_limit
@@ -21,8 +22,9 @@ from grpo_lightning.rewards.time_limits import alarm_available as alarm_availabl
 from grpo_lightning.rewards.time_limits import time_limit as time_limit  # re-exported
 
 
-class RewardError(RuntimeError):
-    """A reward function is misconfigured or returned something unusable. The message names the function."""
+class RewardError(UserFacingError, RuntimeError):
+    """A reward function is misconfigured or returned something unusable. The message names the function (exit
+    status 2, ``errors.py``)."""
 
 
 @dataclass
@@ -248,14 +250,38 @@ def score(
     call = RewardCall.of(prompts, completions, columns, context)
     zeros = [0.0] * len(completions)
     terms = [RewardTerm(spec, fn, _check_values, lambda: list(zeros)) for spec, fn in zip(specs, fns, strict=True)]
-    per_function: dict[str, list[float | None]] = {}
-    total = [0.0] * len(completions)
-    for spec, values in zip(specs, run_terms(terms, call, on_error=on_error, timeout_s=timeout_s), strict=True):
-        per_function[spec.name] = values
+    values = run_terms(terms, call, on_error=on_error, timeout_s=timeout_s)
+    per_function = {spec.name: column for spec, column in zip(specs, values, strict=True)}
+    total, _ = combine_columns(per_function, {spec.name: spec.weight for spec in specs}, len(completions))
+    return total, per_function
+
+
+def column_weight(weights: Mapping[str, float], name: str) -> float:
+    """The weight of the reward column ``name``: its source's (``data.rewards[].weight``, an environment's
+    ``reward_weights()``); 1 for a column no source weighs (an agent's parts, a TRL class's ``get_reward``)."""
+    return float(weights.get(name, 1.0))
+
+
+def combine_columns(
+    columns: Mapping[str, Sequence[float | None]], weights: Mapping[str, float], rows: int
+) -> tuple[list[float], list[bool]]:
+    """The one rule of every source of reward (reward functions, an environment's parts, an agent's return): each is
+    a column of one value per row, ``None`` where it does not apply (TRL's NaN), weighed by ``column_weight``.
+
+    Returns each row's total, the weighted sum of its values with None left out (TRL's ``nansum``), and whether it
+    is unscorable: no column gives it a value (also when there is no column at all). TRL marks a row the same way
+    (``isnan(rewards_per_func).all(dim=1)``, its environments' ``get_reward`` one more column).
+    """
+    total, unscorable = [0.0] * rows, [True] * rows
+    for name, values in columns.items():
+        if len(values) != rows:
+            raise ValueError(f"reward column {name!r} has {len(values)} values for {rows} rows")
+        weight = column_weight(weights, name)
         for i, value in enumerate(values):
             if value is not None:
-                total[i] += spec.weight * value
-    return total, per_function
+                total[i] += weight * value
+                unscorable[i] = False
+    return total, unscorable
 
 
 def is_process_reward(fn: Callable[..., Any]) -> bool:

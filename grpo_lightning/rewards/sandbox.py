@@ -37,6 +37,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
+from grpo_lightning.errors import ConfigError, EnvironmentCrashed
+
 logger = logging.getLogger(__name__)
 Isolation = Literal["auto", "namespaces", "process"]
 _UNSHARE_FLAGS = ("--net", "--pid", "--mount", "--ipc", "--fork", "--kill-child")
@@ -80,8 +82,9 @@ class RunResult:
     pgid: int | None = None
 
 
-class SandboxError(RuntimeError):
-    """The sandbox itself failed (before the code ran), as opposed to the code failing its tests."""
+class SandboxError(EnvironmentCrashed):
+    """The sandbox itself failed (before the code ran), as opposed to the code failing its tests (exit status 4,
+    ``errors.py``)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -102,7 +105,7 @@ def resolve_isolation(isolation: Isolation) -> Literal["namespaces", "process"]:
     if isolation == "auto":
         return "namespaces" if namespaces_available() else "process"
     if isolation == "namespaces" and not namespaces_available():
-        raise RuntimeError("sandbox isolation 'namespaces' needs root and a working `unshare`; use 'auto' or 'process'")
+        raise ConfigError("sandbox isolation 'namespaces' needs root and a working `unshare`; use 'auto' or 'process'")
     if isolation not in ("namespaces", "process"):
         raise ValueError(f"isolation must be 'auto', 'namespaces' or 'process' (got {isolation!r})")
     return isolation

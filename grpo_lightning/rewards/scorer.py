@@ -4,12 +4,16 @@ Outcome rewards give one number per completion (their weighted total is the comp
 rewards give one number per step. Both kinds get the same failure handling: a function that raises, returns
 something unusable or runs past ``timeout_s`` stops the run with its name, or scores 0 with ``on_error: zero``.
 Functions are called as TRL's ``GRPOTrainer`` calls them (``rewards/inputs.py``); ``async def`` ones run together.
+
+Every other source of reward joins the same call as columns of its own (``parts``: an environment's reward parts,
+an agent's return value), so that one rule (``combine.combine_columns``) makes every total and says which completion
+no reward applies to, and each column keeps its weight (``Scores.weights``) for the advantage estimators.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -17,6 +21,8 @@ from grpo_lightning.config import ConfigError
 from grpo_lightning.rewards.combine import (
     RewardSpec,
     check_required_columns,
+    column_weight,
+    combine_columns,
     is_process_reward,
     score,
     score_steps,
@@ -31,12 +37,15 @@ log = logging.getLogger(__name__)
 class Scores:
     """What a ``Scorer`` gave a batch of N completions."""
 
-    total: list[float]  # [N] weighted total of the outcome rewards
-    per_function: dict[str, list[float | None]]  # each outcome reward's values (None: not applicable)
+    total: list[float]  # [N] weighted total of every column
+    # each column's values (None: not applicable): the outcome rewards', then the other sources' (``parts``)
+    per_function: dict[str, list[float | None]]
     steps: list[list[float]] | None = None  # [N][steps] weighted process rewards; None without process rewards
     correct: list[bool] | None = None  # the accuracy reward >= 1; None when no outcome reward decides it
-    # [N] no reward applies: every outcome reward returned None and there is no process reward (total 0)
+    # [N] no reward column gives it a value (total 0): its outcome advantage is 0, out of its group's baseline (a
+    # process reward, which always scores, still gives its steps theirs)
     unscorable: list[bool] = field(default_factory=list)
+    weights: dict[str, float] = field(default_factory=dict)  # each weighed column's weight (``column_weight``)
     metrics: dict[str, float] = field(default_factory=dict)  # what the functions logged with ``log_metric``
     extra_columns: dict[str, list[Any]] = field(default_factory=dict)  # ... and with ``log_extra``
 
@@ -106,12 +115,18 @@ class Scorer:
         completions: list[str],
         columns: dict[str, list[Any]],
         *,
+        parts: Mapping[str, Sequence[float | None]] | None = None,
+        part_weights: Mapping[str, float] | None = None,
+        left_out: Sequence[bool] | None = None,
         warn_unscorable: bool = True,
     ) -> Scores:
         """Score ``completions`` (texts; one prompt and one value of each column per completion).
 
-        ``prompts`` are texts or conversations (lists of messages). ``warn_unscorable=False`` when other reward
-        parts (an environment's) join the total, so that a completion no function applies to is not unscorable.
+        ``prompts`` are texts or conversations (lists of messages). ``parts`` are the other sources' reward columns
+        (an environment's ``env_<name>``, an agent's ``agent_<name>``; None where one gives a completion nothing),
+        weighed by ``part_weights`` (1 where not named); they join the functions' columns under the same rule.
+        ``left_out``: completions no reward may score (an agent session that failed): None in every column.
+        ``warn_unscorable=False`` leaves out the warning for completions no reward applies to.
         """
         logged = RewardLog()
         context = {
@@ -120,7 +135,7 @@ class Scorer:
             "log_metric": logged.log_metric,
         }
         options = {"on_error": self.on_error, "timeout_s": self.timeout_s, "context": context}
-        total, per_function = score(
+        _, per_function = score(
             [s for s, _ in self.outcome], [f for _, f in self.outcome], prompts, completions, columns, **options
         )
         steps = None
@@ -128,30 +143,44 @@ class Scorer:
             steps = score_steps(
                 [s for s, _ in self.process], [f for _, f in self.process], prompts, completions, columns, **options
             )
+        weights = {spec.name: spec.weight for spec, _ in self.outcome}
+        for name, values in (parts or {}).items():
+            if name in per_function:
+                raise ValueError(f"the reward part {name!r} has the name of a reward function of {self.setting}")
+            per_function[name] = list(values)
+            weights[name] = column_weight(part_weights or {}, name)
+        if left_out is not None:
+            per_function = {name: [None if out else v for v, out in zip(values, left_out, strict=True)]
+                            for name, values in per_function.items()}  # fmt: skip
+        total, unscorable = combine_columns(per_function, weights, len(completions))
         correct = None
         if self.accuracy_reward is not None:
             correct = [v is not None and v >= 1.0 for v in per_function[self.accuracy_reward]]
-        unscorable = [False] * len(completions)
-        if per_function and not self.process:
-            unscorable = [all(values[i] is None for values in per_function.values()) for i in range(len(completions))]
-            if warn_unscorable and any(unscorable):
-                first = unscorable.index(True)
-                log.warning(
-                    "%d of %d completions have no applicable reward (every reward function of %s returned None), "
-                    "so they score 0 and get advantage 0, out of their group's baseline; the first: prompt %r, "
-                    "completion %r",
-                    sum(unscorable),
-                    len(unscorable),
-                    self.setting,
-                    prompt_text(prompts[first])[-80:],
-                    completions[first][:80],
-                )
+        # Worth a warning: a completion that some column could have scored (there is one), that was not left out and
+        # that no process reward scores either.
+        expected = [bool(out) for out in left_out] if left_out is not None else [False] * len(completions)
+        scored_steps = steps is not None
+        surprising = [u and not out and bool(per_function) and not scored_steps for u, out in zip(unscorable, expected)]
+        if warn_unscorable and any(surprising):
+            first = surprising.index(True)
+            log.warning(
+                "%d of %d completions have no applicable reward (every reward function of %s%s returned None), "
+                "so they score 0 and get advantage 0, out of their group's baseline; the first: prompt %r, "
+                "completion %r",
+                sum(surprising),
+                len(surprising),
+                self.setting,
+                " and every other reward part" if parts else "",
+                prompt_text(prompts[first])[-80:],
+                completions[first][:80],
+            )
         return Scores(
             total=total,
             per_function=per_function,
             steps=steps,
             correct=correct,
             unscorable=unscorable,
+            weights=weights,
             metrics=logged.metric_means(),
             extra_columns=logged.columns,
         )

@@ -38,7 +38,8 @@ class RolloutBatch:
     policy_logprobs: Tensor | None = None
     prompts: list[str] = field(default_factory=list)  # [N] texts, for logging and reward functions
     completions: list[str] = field(default_factory=list)
-    reward_columns: dict[str, list[float | None]] = field(default_factory=dict)
+    reward_columns: dict[str, list[float | None]] = field(default_factory=dict)  # every source's (``Scores``)
+    reward_weights: dict[str, float] = field(default_factory=dict)  # their weights (``combine.column_weight``)
     step_rewards: Tensor | None = None  # [N, S] process rewards per step (NaN = no such step)
     step_ends: Tensor | None = None  # [N, S] token index where each step ends
     correct: list[bool] | None = None  # [N] the accuracy reward >= 1 (None when no outcome reward decides it)
@@ -60,6 +61,9 @@ class RolloutBatch:
     # [N] each row's trajectory, rows of one adjacent (an agent's session may make several rows: ``agents/``): group
     # statistics and advantages are per trajectory, each row taking its trajectory's. None: row i is trajectory i.
     trajectory: Tensor | None = None
+    # [N] True on the row of each trajectory whose text the rewards scored (an agent session's last call's row):
+    # what stands for the trajectory in ``per_trajectory``. None: each trajectory's first row.
+    scored: Tensor | None = None
     agent_log: dict[str, float] = field(default_factory=dict)  # the round's ``agent/`` counts (``agents/rollout.py``)
     # [N] a vision-language model's image inputs of each row's prompt (``vision/inputs.py``; {} for a text-only
     # row), on the CPU: each forward joins its own rows'. Empty for a text model.
@@ -77,9 +81,12 @@ class RolloutBatch:
         return torch.cat([torch.ones_like(t[:1], dtype=torch.bool), t[1:] != t[:-1]])
 
     def per_trajectory(self) -> RolloutBatch:
-        """One row per trajectory (its first; all of a trajectory's rows share its reward): what group statistics
-        are taken over. The batch itself when its rows are its trajectories."""
-        return self if self.trajectory is None else self.select(self.trajectory_starts().nonzero().squeeze(1))
+        """One row per trajectory (the one whose text the rewards scored, ``scored``, else its first; all of a
+        trajectory's rows share its reward): what group statistics and held-out metrics are taken over. The batch
+        itself when its rows are its trajectories."""
+        if self.trajectory is None:
+            return self
+        return self.select((self.trajectory_starts() if self.scored is None else self.scored).nonzero().squeeze(1))
 
     def trajectory_values(self, values: Tensor) -> Tensor:
         """``values`` of each trajectory (``[K, ...]``, in order) for each of its rows (``[N, ...]``)."""
@@ -122,6 +129,8 @@ class RolloutBatch:
                 out[f.name] = _cat_padded(values, f.name, pad_token_id)
             elif isinstance(values[0], list):
                 out[f.name] = [item for value in values for item in value]
+            elif f.name == "reward_weights":  # a column's weight is its source's, the same in every draw
+                out[f.name] = {name: weight for value in values for name, weight in value.items()}
             elif f.name in ("reward_log", "agent_log"):  # a draw's scalars: their mean over the draws that logged them
                 names = list(dict.fromkeys(name for value in values for name in value))
                 out[f.name] = {n: sum(v[n] for v in values if n in v) / sum(n in v for v in values) for n in names}
@@ -255,12 +264,15 @@ _PER_ROW_COLUMNS = ("reward_columns", "turn_stats", "extra_columns")  # dicts of
 
 
 def _column(batch: RolloutBatch, column: str, name: str) -> list[Any]:
-    """``batch.<column>[name]``; 0.0 per row where the batch has no such name. The only names that can be missing
-    are an environment's: a turn count or metric (``turn_stats``: a trajectory that made no tool call made 0) and a
-    reward part (``env_<name>`` of ``reward_columns``: a part no turn earned sums to 0, as ``multiturn`` fills it).
-    A reward function's column is in every batch: None, "not applicable", is never made up here."""
+    """``batch.<column>[name]``, filled where the batch has no such name. The only names that can be missing are an
+    environment's or an agent's: a turn count or metric (``turn_stats``: a trajectory that made no tool call made 0)
+    and a reward part (``env_<name>``, ``agent_<name>`` of ``reward_columns``: no trajectory of this batch earned it,
+    so each is None there, "not applicable", as ``multiturn`` fills a part one trajectory did not earn; a column of
+    None changes no total and no row's scorability). A reward function's column is in every batch."""
     values = getattr(batch, column)
-    return list(values[name]) if name in values else [0.0] * len(batch)
+    if name in values:
+        return list(values[name])
+    return [None if column == "reward_columns" else 0.0] * len(batch)
 
 
 def _numbered_apart(trajectories: list[Tensor]) -> Tensor:

@@ -202,7 +202,6 @@ class RolloutCollector:
             rollout_lag=self.rollout_lag,
             pack_tokens=self.pack_tokens,
             correction=self.off_policy_correction,
-            reward_weights={spec.name: spec.weight for spec, _ in self.scorer.outcome},
             teacher_weight=self.policy.distillation_weight,
         )
 

@@ -3,7 +3,11 @@
 - ``HeldOutSampler`` (the ``collate_fn`` of the DataModules' ``val_dataloader``/``test_dataloader``): each batch of
   held-out prompts is decoded greedily and, with ``data.eval.num_samples`` = k > 0, sampled k times, with the same
   ``sample_and_score`` a training round uses; the batch it yields holds the scores.
-- ``held_out_loader``: the DataLoader of a rank's share of the held-out rows, with a ``HeldOutSampler``.
+- ``held_out_loader``: the DataLoader of a rank's share of the held-out rows, with a ``HeldOutSampler``. Every
+  rank makes the same number of batches: each batch runs in ``rollout_context()``, whose gathering of a sharded
+  policy (FSDP2's unshard, ZeRO-3's ``GatheredParameters``) is a collective, so a rank with one batch more would wait
+  in it for the others, which wait in the metrics' sync. A rank whose share makes fewer batches gets padding
+  batches (one row each, ``PADDING``), generated like the others and dropped from the scores: they count nothing.
 
 The module side keeps the metrics (``grpo_lightning/evaluation.py: HeldOutMetrics``).
 """
@@ -25,6 +29,8 @@ from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.policy_side import PolicySide
 from grpo_lightning.rollout.prompts import PromptEncoder
 from grpo_lightning.rollout.sample_and_score import sample_and_score
+
+PADDING = -1  # the held-out index of a padding batch's row (``held_out_loader``): its scores are dropped
 
 
 class HeldOutSampler:
@@ -55,7 +61,15 @@ class HeldOutSampler:
         self.answer_fn = resolve_answer_fn(config.answer_fn)
 
     def __call__(self, rows: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
-        """``rows``: ``(index in the held-out set, row)`` pairs; returns the scores of their completions."""
+        """``rows``: ``(index in the held-out set, row)`` pairs; returns the scores of their completions (none for
+        a padding batch, whose rows' index is ``PADDING``: the same keys, no rows)."""
+        out = self.scores(rows)
+        if all(index == PADDING for index, _ in rows):
+            return {key: value if key == "pass_k" else value[:0] for key, value in out.items()}
+        return out
+
+    def scores(self, rows: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+        """The scores of ``rows``' completions: greedy, and the k samples when asked."""
         columns = {key: [row[key] for _, row in rows] for key in rows[0][1]}
         module = self.module()
         engine, encoder = self.engine(), self.encoder()
@@ -68,7 +82,8 @@ class HeldOutSampler:
         }
         with torch.no_grad(), module.rollout_context():
             greedy = sample_and_score(columns, params=self.sampling.params(greedy=True, group_size=1), **common)
-            greedy = greedy.per_trajectory()  # an agent's session may make several rows: one per trajectory here
+            # An agent's session may make several rows: per trajectory, the row whose text the rewards scored.
+            greedy = greedy.per_trajectory()
             out: dict[str, Any] = {
                 "reward": greedy.rewards.float(),
                 "length": greedy.completion_mask.sum(-1).float(),
@@ -96,9 +111,12 @@ def held_out_loader(
     data: Dataset, batch_size: int, sampler: HeldOutSampler, *, rank: int = 0, world_size: int = 1
 ) -> DataLoader:
     """This rank's share of the held-out rows (contiguous shards, sized as ``datasets.Dataset.shard(contiguous=
-    True)`` sizes them), generated and scored batch by batch by ``sampler``."""
+    True)`` sizes them), generated and scored batch by batch by ``sampler``; as many batches on every rank, a short
+    rank's last ones padding (see the module docstring)."""
     size, extra = divmod(len(data), world_size)
     start = size * rank + min(rank, extra)
-    indices = range(start, start + size + (rank < extra))
-    rows = [(i, data[i]) for i in indices]
-    return DataLoader(rows, batch_size=batch_size, shuffle=False, collate_fn=sampler)
+    rows = [(i, data[i]) for i in range(start, start + size + (rank < extra))]
+    batches = [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
+    most = -(-(size + (extra > 0)) // batch_size)  # the batches of the largest share
+    batches += [[(PADDING, data[0])] for _ in range(most - len(batches))]
+    return DataLoader(batches, batch_size=None, shuffle=False, collate_fn=sampler)

@@ -69,7 +69,8 @@ class Trajectories:
     action_mask: Tensor  # [N, T] 1 on the policy's tokens (0 on observations and padding)
     final_texts: list[str]  # the last policy turn's text: what the rewards score
     transcripts: list[str]  # every turn and observation, as text
-    env_rewards: dict[str, list[float]] = field(default_factory=dict)  # per trajectory, summed over its turns
+    # per trajectory, summed over its turns; None where it earned no part of that name ("not applicable")
+    env_rewards: dict[str, list[float | None]] = field(default_factory=dict)
     stats: dict[str, list[float]] = field(default_factory=dict)  # turns, policy/env tokens, environment metrics
     environment_s: float = 0.0  # seconds spent in the environment (its steps and resets)
     prompts: list[Any] = field(default_factory=list)  # each trajectory's prompt (``Environment.trajectory_prompt``)
@@ -351,7 +352,7 @@ def _assemble(
         action_mask=right_padded([t.action for t in trajectories], 0, torch.long, device),
         final_texts=[t.final_text for t in trajectories],
         transcripts=["".join(t.segments) for t in trajectories],
-        env_rewards={name: [t.rewards.get(name, 0.0) for t in trajectories] for name in names},
+        env_rewards={name: [t.rewards.get(name) for t in trajectories] for name in names},
         stats=stats,
         environment_s=env_seconds,
         prompts=[t.source for t in trajectories],

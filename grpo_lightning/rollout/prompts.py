@@ -73,11 +73,21 @@ def load_prompts(
         return load_dataset(source, subset, split=split)
     except ValueError as err:  # a Hub dataset without that split (many RL datasets have only ``train``)
         if not str(err).startswith("Unknown split"):
-            raise
+            raise dataset_error(source, setting, err) from err
         raise ConfigError(
             f"{setting} ({source}) has no split {split!r} ({str(err).splitlines()[0]}); set data.train_split / "
             "data.val_split, or data.val_fraction to hold out a share of the training rows"
         ) from err
+    except Exception as err:  # noqa: BLE001 - no such Hub dataset, no network, a folder that holds none: one line
+        raise dataset_error(source, setting, err) from err
+
+
+def dataset_error(source: str, setting: str, err: BaseException) -> ConfigError:
+    """``datasets``' failure to load ``source`` as one line naming ``setting``: its message's first line, and its
+    cause's (``DatasetGenerationError`` says only that generating failed)."""
+    said = [(str(e).strip().splitlines() or [type(e).__name__])[0] for e in (err, err.__cause__) if e is not None]
+    local = "" if Path(source).exists() else " (no local file or folder of that name either)"
+    return ConfigError(f"{setting}: cannot load {source!r}{local}: {': '.join(said)[:300]}")
 
 
 def is_conversation(prompt: Any) -> bool:

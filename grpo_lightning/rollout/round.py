@@ -26,6 +26,7 @@ from grpo_lightning.config import AdvantageConfig, ConfigError, SamplingConfig
 from grpo_lightning.engines.base import RolloutEngine
 from grpo_lightning.environments.base import Environment
 from grpo_lightning.models.teacher import distillation_advantages
+from grpo_lightning.rewards.combine import column_weight
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.rollout.prompts import PromptEncoder
@@ -69,10 +70,8 @@ class RoundSettings:
     π_prox / μ, truncated or masked), ``behaviour`` (ratio to μ directly) or ``none`` (ratio to π_prox only)."""
     teacher_weight: float | None = None
     """On-policy distillation (``model.teacher``): this round's λ of the per-token advantage λ · (log π_T − log π_S)
-    (``models/teacher.py``); None: no teacher this round. π_S, the student's log-probs, are then recorded as π_old."""
-    reward_weights: dict[str, float] = field(default_factory=dict)
-    """Each outcome reward's weight (``data.rewards``), for GDPO's weighted sum; a column not named here (an
-    environment's reward part, which joins the total as it is) weighs 1."""
+    (``models/teacher.py``); None: no teacher this round. π_S, the student's unfiltered log-probs, are then recorded
+    as π_old (at a lag with ``behaviour``, where π_old is μ, by a pass of their own: ``student_pass``)."""
 
     @property
     def record_old(self) -> bool:
@@ -81,6 +80,13 @@ class RoundSettings:
         teacher, π_S of the distillation advantage."""
         lagged_behaviour = self.rollout_lag > 0 and self.correction == "behaviour"
         return self.optimizer_steps > 1 or lagged_behaviour or self.teacher_weight is not None
+
+    @property
+    def student_pass(self) -> bool:
+        """Whether π_S of the distillation advantage needs a pass of the trainer's beside π_old: at a lag with
+        ``behaviour`` π_old is μ, the sampler's filtered distribution (top-p / top-k / the EOS ban: log μ ≥ log π),
+        not the student's; π_S is then π_prox, as with the other corrections."""
+        return self.teacher_weight is not None and self.rollout_lag > 0 and self.correction == "behaviour"
 
     @property
     def old_from_engine(self) -> bool:
@@ -154,10 +160,10 @@ def sample_round(
     """1. generate (π_old), 2. score, 3. filter.
 
     ``next_rows`` returns the next prompts (a dict of columns: ``prompt`` and the dataset's other columns).
-    With ``dynamic_sampling`` (DAPO), groups whose rewards are all equal are dropped and more prompts are drawn,
-    up to ``max_sampling_rounds`` generations, until the rollout has as many informative groups as one draw; if
-    the cap is reached the rollout is topped up with uninformative groups (zero advantage), so every rank always
-    trains on the same number of rows.
+    With ``dynamic_sampling`` (DAPO), groups that carry no signal (every advantage 0: ``informative_groups``) are
+    dropped and more prompts are drawn, up to ``max_sampling_rounds`` generations, until the rollout has as many
+    informative groups as one draw; if the cap is reached the rollout is topped up with uninformative groups (zero
+    advantage), so every rank always trains on the same number of rows.
     """
     timings: dict[str, float] = {}
 
@@ -178,9 +184,7 @@ def sample_round(
     batch = sample()  # 1. generate (π_old) and 2. score
     generated, draws = len(batch), 1
     if settings.dynamic_sampling:  # 3. filter: DAPO dynamic sampling
-        batch, generated, draws = refill_informative(
-            batch, sample, settings.sampling.group_size, settings.max_sampling_rounds, encoder.tokenizer.pad_token_id
-        )
+        batch, generated, draws = refill_informative(batch, sample, settings, encoder.tokenizer.pad_token_id)
     return SampledRound(batch, generated, draws, timings)
 
 
@@ -204,8 +208,8 @@ def finish_round(
     batch, timings = sampled.batch, dict(sampled.timings)
     if settings.environment is not None and per_rank is not None:
         # An environment's metrics and reward parts are named by what the rank's trajectories did (a tool call):
-        # every rank takes the names of all ranks (0 where it had none), so all log the same metrics. Only an
-        # environment's names differ; without one, no collective.
+        # every rank takes the names of all ranks (a count 0, a reward part None where it had none: ``_column``), so
+        # all log the same metrics. Only an environment's names differ; without one, no collective.
         batch.align_columns(agreed_names(batch.column_names(), per_rank))
     # 4. group-relative advantages, over trajectories: the rows of an agent's session (agents/) take its own
     batch.advantages = batch.trajectory_values(compute_advantages(batch.per_trajectory(), settings, all_gather))
@@ -227,7 +231,9 @@ def finish_round(
             )
         from_engine = False  # auto: recomputed
     batch.pack_tokens = settings.pack_tokens  # for these passes and the update's
-    old, ref = logprobs(batch, old=record_old and not from_engine, ref=settings.reference)
+    own_pass = (record_old and not from_engine) or settings.student_pass  # π_old's, or π_S's beside μ
+    old, ref = logprobs(batch, old=own_pass, ref=settings.reference)
+    student = old if settings.student_pass else None  # else π_S is π_old
     batch.old_logprobs = (sampler_old if from_engine else old) if record_old else None
     batch.ref_logprobs = ref
     batch.policy_logprobs = None  # in π_old now, where needed
@@ -237,23 +243,23 @@ def finish_round(
     if settings.teacher_weight is not None:  # on-policy distillation: the teacher scores the student's tokens
         if teacher is None:
             raise RuntimeError("the round has a teacher weight but no teacher log-prob pass")
-        gap = teacher(batch).to(batch.old_logprobs.device) - batch.old_logprobs  # log π_T − log π_S
+        student = batch.old_logprobs if student is None else student
+        gap = teacher(batch).to(student.device) - student  # log π_T − log π_S
         distill = distillation_advantages(gap, batch.loss_mask, settings.teacher_weight)
         advantages = batch.advantages if batch.advantages is not None else torch.zeros(len(batch), device=gap.device)
         per_token = advantages if advantages.dim() == 2 else advantages[:, None] * batch.completion_mask
         batch.advantages = per_token.to(distill.dtype) + distill
     timings["logprobs"] = time.perf_counter() - start
 
-    batch.metrics = rollout_metrics(batch, settings.sampling.group_size, timings)
+    batch.metrics = rollout_metrics(batch, settings, timings)
     if distill is not None:  # the k1 estimate of KL(π_S ‖ π_T) per token, and the advantage it gives
         tokens = batch.loss_mask.bool()
         batch.metrics["distill/reverse_kl_k1"] = -(distill[tokens] / settings.teacher_weight).mean().item()
         batch.metrics["distill/advantage_abs_mean"] = distill[tokens].abs().mean().item()
         batch.metrics["distill/weight"] = settings.teacher_weight  # this round's λ (model.teacher.weight_schedule)
-    if settings.dynamic_sampling:
-        group_size = settings.sampling.group_size
+    if settings.dynamic_sampling:  # the kept groups without a signal: the cap's top-up
         batch.metrics["rollout/sampling_rounds"] = float(sampled.draws)
-        batch.metrics["rollout/filtered_fraction"] = 1.0 - informative_groups(batch, group_size).float().mean().item()
+        batch.metrics["rollout/filtered_fraction"] = batch.metrics["rollout/zero_std_group_fraction"]
         batch.metrics["rollout/generated_completions"] = float(sampled.generated)
     return batch
 
@@ -265,24 +271,34 @@ def agreed_names(names: dict[str, list[str]], per_rank: Callable[[Any], list[Any
     return {column: list(dict.fromkeys(n for rank in ranks for n in rank[column])) for column in names}
 
 
-def informative_groups(batch: RolloutBatch, group_size: int) -> Tensor:
-    """[groups] bool: the group's rewards are not all equal (so its advantages are not all zero)."""
-    grouped = batch.per_trajectory().rewards.view(-1, group_size)
-    return (grouped.max(-1).values - grouped.min(-1).values) > 1e-6
+def informative_groups(batch: RolloutBatch, settings: RoundSettings) -> Tensor:
+    """[groups] bool: the group carries a signal, one of its advantages is not 0: the advantages' own answer
+    (``compute_advantages``, whatever estimator and aggregation make them: None rewards out of the baseline, GDPO's
+    columns normalised each on its own, pass@k's ties, process rewards), on this batch alone, since a batch-wide
+    scale or GDPO's batch normalisation never makes a group's advantages 0 or not. The one question of dynamic
+    sampling and of ``rollout/zero_std_group_fraction`` / ``rollout/filtered_fraction``."""
+    trajectories = batch.per_trajectory()
+    groups = len(trajectories) // settings.sampling.group_size
+    advantages = compute_advantages(trajectories, settings)
+    if advantages is None:  # one sample per prompt: no group to compare with
+        return torch.zeros(groups, dtype=torch.bool, device=trajectories.rewards.device)
+    return advantages.reshape(groups, -1).ne(0).any(dim=-1)
 
 
 def refill_informative(
-    batch: RolloutBatch, sample: Callable[[], RolloutBatch], group_size: int, max_rounds: int, pad_token_id: int
+    batch: RolloutBatch, sample: Callable[[], RolloutBatch], settings: RoundSettings, pad_token_id: int
 ) -> tuple[RolloutBatch, int, int]:
-    """DAPO dynamic sampling: keep informative groups, ``sample()`` more until there are enough of them.
+    """DAPO dynamic sampling: keep the groups that carry a signal (``informative_groups``), ``sample()`` more until
+    there are enough of them, at most ``settings.max_sampling_rounds`` generations.
 
     Returns the rollout (informative groups first, topped up with uninformative ones to keep its size), the
     completions generated and the generations it took.
     """
+    group_size, max_rounds = settings.sampling.group_size, settings.max_sampling_rounds
     wanted = len(batch.per_trajectory()) // group_size
     kept, spare, generated, rounds = [], [], len(batch), 1
     while True:
-        for group, useful in enumerate(informative_groups(batch, group_size).tolist()):
+        for group, useful in enumerate(informative_groups(batch, settings).tolist()):
             rows = batch.group_rows(group, group_size)
             (kept if useful else spare).append(batch.select(rows))
         if len(kept) >= wanted or rounds >= max_rounds:
@@ -297,21 +313,22 @@ def compute_advantages(
     batch: RolloutBatch, settings: RoundSettings, all_gather: Callable[[Tensor], Tensor] | None = None
 ) -> Tensor:
     """Outcome advantages ``[N]`` (``data.advantage``: group-relative, pass@k or GDPO); per-token ``[N, T]`` when a
-    reward scores steps (outcome part added to each)."""
+    reward scores steps (outcome part added to each). A row no reward column scores (``unscorable``: every column
+    None, or none at all) is out of its group's baseline and gets 0, whichever estimator."""
     config, group_size = settings.advantage, settings.sampling.group_size
-    advantages = None
     if group_size == 1:  # no group to compare with: the teacher alone teaches (check_before_fit refuses the rest)
-        return advantages
+        return None
     if batch.reward_columns and config.multi_objective_aggregation == "normalize_then_sum":
         advantages = gdpo_advantages(batch, settings, all_gather)
-    elif batch.reward_columns:  # outcome rewards
+    else:  # the weighted totals (all 0 and unscorable without any column: every advantage 0)
         batch_std = None
         if config.scale == "batch" and all_gather is not None:
             rewards = batch.rewards.float()
             if batch.unscorable is not None:  # NaN: left out of the batch's std, as out of the groups'
                 rewards = torch.where(batch.unscorable, torch.nan, rewards)
             gathered = all_gather(rewards).flatten()
-            batch_std = gathered[~gathered.isnan()].std(unbiased=config.std == "sample")
+            scored = gathered[~gathered.isnan()]  # none: no row of any rank is scored, every advantage is 0
+            batch_std = scored.std(unbiased=config.std == "sample") if scored.numel() else scored.new_zeros(())
         scorable = ~batch.unscorable if batch.unscorable is not None else None
         options = {"scale": config.scale, "eps": config.eps, "batch_std": batch_std, "std": config.std}
         if config.estimator == "passk":
@@ -324,7 +341,7 @@ def compute_advantages(
         per_token = process_advantages(
             batch.step_rewards, batch.step_ends, batch.completion_mask, group_size, eps=config.eps, std=config.std
         )
-        advantages = per_token if advantages is None else per_token + advantages[:, None] * batch.completion_mask
+        advantages = per_token + advantages[:, None] * batch.completion_mask
     return advantages
 
 
@@ -337,13 +354,16 @@ def gdpo_advantages(
     config, names = settings.advantage, list(batch.reward_columns)
     values = [[torch.nan if v is None else v for v in batch.reward_columns[name]] for name in names]
     rewards = torch.tensor(values, dtype=batch.rewards.dtype, device=batch.rewards.device).T  # [N, K]
-    weights = torch.tensor([settings.reward_weights.get(name, 1.0) for name in names], device=rewards.device)
+    if batch.unscorable is not None:  # the scorer's rule: out of every column (the sum's baseline leaves it out too)
+        rewards = torch.where(batch.unscorable.to(rewards.device)[:, None], torch.nan, rewards)
+    weights = [column_weight(batch.reward_weights, name) for name in names]  # where the scorer weighed the total
+    weights = torch.tensor(weights, dtype=rewards.dtype, device=rewards.device)
     summed = decoupled_sum(rewards, weights, settings.sampling.group_size, eps=config.eps, std=config.std)
     every_rank = all_gather(summed).flatten() if all_gather is not None else None
     return batch_normalized(summed, eps=config.eps, std=config.std, batch=every_rank)
 
 
-def rollout_metrics(batch: RolloutBatch, group_size: int, timings: dict[str, float]) -> dict[str, float]:
+def rollout_metrics(batch: RolloutBatch, settings: RoundSettings, timings: dict[str, float]) -> dict[str, float]:
     """Scalar summaries of a round: rewards, advantages, lengths, the share of uninformative groups, timings."""
     trajectories = batch.per_trajectory()  # rewards once per trajectory (an agent's session may make several rows)
     rewards, advantages = trajectories.rewards.float(), batch.advantages.float()
@@ -359,15 +379,15 @@ def rollout_metrics(batch: RolloutBatch, group_size: int, timings: dict[str, flo
         "rollout/completion_length_mean": lengths.mean().item(),
         "rollout/completion_length_max": lengths.max().item(),
         "rollout/truncated_fraction": batch.truncated.float().mean().item(),
-        # Groups whose rewards are all equal have zero advantage everywhere: they teach nothing.
-        "rollout/zero_std_group_fraction": 1.0 - informative_groups(batch, group_size).float().mean().item(),
+        # Groups whose outcome advantages are all 0 (rewards all equal among those scored): they teach nothing.
+        "rollout/zero_std_group_fraction": 1.0 - informative_groups(batch, settings).float().mean().item(),
     }
     for name, values in trajectories.reward_columns.items():
         applicable = [v for v in values if v is not None]
         metrics[f"reward/{name}"] = sum(applicable) / len(applicable) if applicable else float("nan")
     if batch.step_rewards is not None:
         metrics["reward/process_step_mean"] = batch.step_rewards.nanmean().item()
-    if batch.unscorable is not None and batch.unscorable.any():
+    if batch.reward_columns and batch.unscorable is not None and batch.unscorable.any():  # none: the teacher alone
         metrics["rollout/unscorable_fraction"] = batch.unscorable.float().mean().item()
     for name, value in batch.reward_log.items():  # what reward functions logged with ``log_metric``
         metrics[f"reward_log/{name}"] = value

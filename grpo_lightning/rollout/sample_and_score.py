@@ -111,11 +111,11 @@ def sample_and_score(
     # An environment may have changed a trajectory's prompt (TRL's: reset's text in its last message): the rewards
     # see each trajectory's own, as TRL's do.
     scored = trajectories.prompts if trajectories is not None else prompts
-    scores = scorer(scored, texts, columns, warn_unscorable=trajectories is None)
-    if trajectories is not None:  # the environment's reward parts join the total, one column each
-        for name, values in trajectories.env_rewards.items():
-            scores.per_function[f"env_{name}"] = list(values)
-            scores.total = [total + value for total, value in zip(scores.total, values)]
+    parts = weights = None
+    if trajectories is not None:  # the environment's reward parts are reward columns, each with its weight
+        parts = {f"env_{name}": values for name, values in trajectories.env_rewards.items()}
+        weights = {f"env_{name}": weight for name, weight in environment.reward_weights().items()}
+    scores = scorer(scored, texts, columns, parts=parts, part_weights=weights)
     batch = RolloutBatch(
         prompt_ids=completions.prompt_ids,
         prompt_mask=completions.prompt_mask,
@@ -126,6 +126,7 @@ def sample_and_score(
         prompts=prompts,
         completions=texts,
         reward_columns=scores.per_function,
+        reward_weights=scores.weights,
         engine_logprobs=completions.logprobs,
         policy_logprobs=completions.policy_logprobs,
         correct=scores.correct,
@@ -137,7 +138,7 @@ def sample_and_score(
     vision = repeat_rows(vision, group_size) if vision is not None else trajectories and trajectories.vision
     if vision is not None:
         batch.vision, batch.images = vision, [row.images for row in vision]
-    batch.unscorable = torch.tensor(scores.unscorable or [False] * len(texts), device=batch.rewards.device)
+    batch.unscorable = torch.tensor(scores.unscorable, dtype=torch.bool, device=batch.rewards.device)
     batch.reward_log = dict(scores.metrics)
     batch.extra_columns = logged_columns(scores.extra_columns, len(texts))
     if trajectories is not None:

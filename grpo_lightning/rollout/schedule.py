@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from grpo_lightning.engines.weights import policy_weights
 from grpo_lightning.rollout.round import SampledRound
 from grpo_lightning.rollout.stream import PromptStream
 from grpo_lightning.rollout.worker import RolloutWorker, WorkerSpec
+from grpo_lightning.vision.saved import images_from_plain, plain_images, plain_vision, vision_from_plain
 
 
 class RolloutSchedule:
@@ -120,16 +122,20 @@ class RolloutSchedule:
 
 
 def _plain(sampled: SampledRound) -> dict[str, Any]:
-    """A ``SampledRound`` as plain data (dicts, lists, tensors) that ``torch.load(weights_only=True)`` reads."""
-    from dataclasses import asdict
-
-    return asdict(sampled)
+    """A ``SampledRound`` as plain data (dicts, lists, tensors, bytes) that ``torch.load(weights_only=True)`` reads:
+    a vision-language model's rows' image inputs and images too (``vision/saved.py``)."""
+    batch = sampled.batch
+    plain = asdict(replace(sampled, batch=replace(batch, vision=[], images=[])))
+    plain["batch"].update(vision=plain_vision(batch.vision), images=plain_images(batch.images))
+    return plain
 
 
 def _sampled(plain: dict[str, Any]) -> SampledRound:
     from grpo_lightning.rollout.batch import RolloutBatch
 
-    return SampledRound(**{**plain, "batch": RolloutBatch(**plain["batch"])})
+    batch = dict(plain["batch"])
+    batch.update(vision=vision_from_plain(batch.get("vision", [])), images=images_from_plain(batch.get("images", [])))
+    return SampledRound(**{**plain, "batch": RolloutBatch(**batch)})
 
 
 # ------------------------------------------------------------------------------- the collector's side

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from grpo_lightning.config import ConfigError
 from grpo_lightning.rollout.prompts import PromptEncoder, is_conversation, prompt_problem
-from grpo_lightning.vision.images import IMAGE_COLUMNS, check_image_rows, images_of_rows, pil_image
+from grpo_lightning.vision.images import IMAGE_COLUMNS, check_image_rows, image_parts, images_of_rows, pil_image
 from grpo_lightning.vision.inputs import VisionRow, row_inputs
 from grpo_lightning.vision.vllm_inputs import sourced
 
@@ -94,9 +94,24 @@ class VisionPromptEncoder(PromptEncoder):
         )
 
     def check_rows(self, data: Any, where: str) -> None:
-        """The prompts (``PromptEncoder.check_rows``) and their images (``vision/images.py: check_image_rows``)."""
+        """The prompts (``PromptEncoder.check_rows``) and their images (``vision/images.py: check_image_rows``); a
+        prompt without an image is refused for a processor that takes none (PaliGemma's)."""
         super().check_rows(data, where)
         check_image_rows(data, where)
+        text_only = next((row for row, prompt in enumerate(data["prompt"]) if not image_parts(prompt)), None)
+        if text_only is not None and not self._takes_text_only():
+            raise ConfigError(
+                f"{where} row {text_only}: a prompt without an image, which {type(self.processor).__name__} does not "
+                "take (every prompt of this model needs one); give the row an image or leave it out"
+            )
+
+    def _takes_text_only(self) -> bool:
+        """Whether the processor encodes a prompt without an image."""
+        try:
+            self.processor(text=["?"], return_tensors="pt", add_special_tokens=False)
+        except ValueError:
+            return False
+        return True
 
     def text_inputs(self, text: str, images: list[Any]) -> tuple[list[int], VisionRow]:
         """One rendered prompt ``text`` and its ``images`` through the processor: its token ids, each image marker

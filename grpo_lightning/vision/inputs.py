@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,14 +22,23 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from grpo_lightning.models.lean import mask_positions
+from grpo_lightning.vision.vllm_inputs import image_token_id
 
 log = logging.getLogger(__name__)
 
 VisionRow = dict[str, Tensor]
 """One prompt's image inputs (empty for a text-only prompt), on the CPU until a forward joins them."""
 
-# The processor's outputs that are the text's own (made again from the joined ids, or not model inputs).
-TEXT_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+# The processor's outputs that are the text's own, one value per token: made again from the joined ids where the
+# model reads them (``token_inputs``), or not model inputs (PaliGemma's processor returns ``labels``).
+TEXT_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids", "labels")
+
+# How a model whose forward reads ``token_type_ids`` reads them, by its config's ``model_type``. Gemma 3: 1 at each
+# image's tokens, which attend to each other both ways (0 elsewhere, a completion's tokens included: what its
+# ``generate()`` carries on). PaliGemma: a prefix language model: 0 over the prompt (its prefix, attended both
+# ways, its images among it), 1 after it (the causal suffix: the tokens its ``generate()`` appends, a completion).
+# A model that reads them by another rule is refused (``check_model_inputs``).
+TOKEN_TYPE_RULES = {"gemma3": "images", "paligemma": "prefix"}
 
 
 @functools.cache
@@ -110,9 +119,26 @@ def check_completions(model: nn.Module, completion_ids: Tensor, completion_mask:
         )
 
 
-def modality_types(model: nn.Module, input_ids: Tensor) -> Tensor:
-    """``mm_token_type_ids`` of ``input_ids``: 1 at image tokens, 2 at video tokens, 0 elsewhere."""
-    config = base_model(model).config
+def token_type_rule(model_type: str | None) -> str | None:
+    """``TOKEN_TYPE_RULES``' rule of a ``model_type`` (``images`` or ``prefix``), None for a model not listed."""
+    return TOKEN_TYPE_RULES.get(model_type or "")
+
+
+def token_types(config: Any, input_ids: Tensor, prompt_width: int) -> Tensor:
+    """``token_type_ids`` of ``input_ids`` (left-padded prompts of ``prompt_width`` columns, then what follows them)
+    as the processor and ``generate()`` of the model of ``config`` give them (``TOKEN_TYPE_RULES``)."""
+    model_type = getattr(config, "model_type", None)
+    rule = token_type_rule(model_type)
+    if rule == "images":
+        return (input_ids == image_token_id(config)).long()
+    if rule == "prefix":
+        return (torch.arange(input_ids.size(1), device=input_ids.device) >= prompt_width).long().expand_as(input_ids)
+    raise ValueError(f"{model_type} reads token_type_ids by a rule grpo_lightning does not know")
+
+
+def modality_types(config: Any, input_ids: Tensor) -> Tensor:
+    """``mm_token_type_ids`` of ``input_ids`` for the model of ``config``: 1 at image tokens, 2 at video tokens, 0
+    elsewhere."""
     types = torch.zeros_like(input_ids, dtype=torch.int32)
     for value, name in ((1, "image_token_id"), (2, "video_token_id")):
         token = getattr(config, name, None)
@@ -121,26 +147,55 @@ def modality_types(model: nn.Module, input_ids: Tensor) -> Tensor:
     return types
 
 
-def generation_inputs(model: nn.Module, rows: Sequence[Mapping[str, Tensor]], input_ids: Tensor) -> dict[str, Tensor]:
-    """What ``model.generate`` takes besides the ids and mask of ``rows`` (left-padded ``input_ids``): their joined
-    image inputs on the model's device and float dtype, and the modality of each token where the model reads it
-    (``generate`` finds the positions itself)."""
-    parameter = next(model.parameters())
-    inputs: dict[str, Tensor] = {}
-    for name, value in join_rows(rows).items():
-        dtype = parameter.dtype if value.is_floating_point() else value.dtype
-        inputs[name] = value.to(device=input_ids.device, dtype=dtype)
-    if "mm_token_type_ids" in inspect.signature(base_model(model).forward).parameters:
-        inputs["mm_token_type_ids"] = modality_types(model, input_ids)
+def config_token_inputs(
+    config: Any, parameters: Collection[str], input_ids: Tensor, prompt_width: int
+) -> dict[str, Tensor]:
+    """The per-token inputs the processor of the model of ``config`` makes beside the ids, made again for
+    ``input_ids`` (left-padded prompts of ``prompt_width`` columns, then what follows them): those its forward reads
+    (``parameters``) of the modality of each token (``mm_token_type_ids``) and ``token_type_ids``
+    (``token_types``)."""
+    inputs = {}
+    if "mm_token_type_ids" in parameters:
+        inputs["mm_token_type_ids"] = modality_types(config, input_ids)
+    if "token_type_ids" in parameters:
+        inputs["token_type_ids"] = token_types(config, input_ids, prompt_width)
     return inputs
 
 
+def token_inputs(model: nn.Module, input_ids: Tensor, prompt_width: int) -> dict[str, Tensor]:
+    """``config_token_inputs`` of ``model``: one function for every pass and ``generate()``, so that none of them
+    runs without an input another one has (``vision/model_inputs.py`` checks them against the processor's own)."""
+    base = base_model(model)
+    return config_token_inputs(base.config, inspect.signature(base.forward).parameters, input_ids, prompt_width)
+
+
+def generation_inputs(model: nn.Module, rows: Sequence[Mapping[str, Tensor]], input_ids: Tensor) -> dict[str, Tensor]:
+    """What ``model.generate`` takes besides the ids and mask of ``rows`` (left-padded prompts ``input_ids``): their
+    joined image inputs on the model's device and float dtype, and the per-token inputs the model reads
+    (``token_inputs``; ``generate`` finds the positions itself, and carries the token types on to what it adds)."""
+    return {**_image_inputs(model, rows, input_ids.device), **token_inputs(model, input_ids, input_ids.size(1))}
+
+
+def _image_inputs(model: nn.Module, rows: Sequence[Mapping[str, Tensor]], device: torch.device) -> dict[str, Tensor]:
+    """``rows``' joined image inputs on ``device``, floating ones in the model's dtype."""
+    dtype = next(model.parameters()).dtype
+    return {
+        name: value.to(device=device, dtype=dtype if value.is_floating_point() else value.dtype)
+        for name, value in join_rows(rows).items()
+    }
+
+
 def forward_inputs(
-    model: nn.Module, rows: Sequence[Mapping[str, Tensor]], input_ids: Tensor, attention_mask: Tensor
+    model: nn.Module,
+    rows: Sequence[Mapping[str, Tensor]],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    *,
+    prompt_width: int,
 ) -> dict[str, Tensor]:
-    """What a forward of ``model`` over ``input_ids`` (left-padded rows, ``rows``' image inputs) takes besides
-    the ids and mask: the joined image inputs on the model's device and float dtype, the modality of each token
-    where the model reads it, and its position ids.
+    """What a forward of ``model`` over ``input_ids`` (left-padded prompts of ``prompt_width`` columns, ``rows``'
+    image inputs, then their completions) takes besides the ids and mask: the joined image inputs on the model's
+    device and float dtype, the per-token inputs the model reads (``token_inputs``), and its position ids.
 
     Positions: the Qwen-VL family's 3-D M-RoPE ones from its own ``get_rope_index`` (text positions count real
     tokens only, so left padding moves nothing; the model's default would count from the padded start on a
@@ -148,7 +203,7 @@ def forward_inputs(
     path does.
     """
     base = base_model(model)
-    inputs = generation_inputs(model, rows, input_ids)
+    inputs = {**_image_inputs(model, rows, input_ids.device), **token_inputs(model, input_ids, prompt_width)}
     rope_index = getattr(getattr(base, "model", base), "get_rope_index", None)
     if callable(rope_index) and "mm_token_type_ids" in inputs and "video_grid_thw" not in inputs:
         types = inputs["mm_token_type_ids"]

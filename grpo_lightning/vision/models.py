@@ -58,11 +58,22 @@ def _config_dict(name: str) -> dict[str, Any] | None:
         return None
 
 
+@functools.cache
+def vision_model_type(name: str | None) -> str | None:
+    """The ``model_type`` of a vision-language model's ``name`` (``is_vision_model``), None for another model."""
+    return _config_dict(name)["model_type"] if name is not None and is_vision_model(name) else None
+
+
 def load_vision_tokenizer(name: str) -> Any:
-    """The processor's tokenizer, left-padding, carrying its processor (``processor_of``)."""
+    """The processor's tokenizer, left-padding, carrying its processor (``processor_of``); a model whose forward
+    reads a processor output the passes would drop is refused (``vision/model_inputs.py``)."""
+    from transformers import AutoConfig
+
+    from grpo_lightning.vision.model_inputs import check_model_inputs
     from grpo_lightning.vision.processors import load_processor
 
     processor = load_processor(name)
+    check_model_inputs(name, AutoConfig.from_pretrained(name), processor)
     tokenizer = processor.tokenizer
     tokenizer.padding_side = "left"
     setattr(tokenizer, _PROCESSOR_ATTRIBUTE, processor)

@@ -1,5 +1,7 @@
-"""Tiny vision-language models built in code: Qwen2-VL (3-D M-RoPE), LLaVA (one row of features per image) and
-Idefics3 (image splitting), each saved as a folder that ``AutoModelForImageTextToText`` and ``AutoProcessor`` load.
+"""Tiny vision-language models built in code: Qwen2-VL (3-D M-RoPE), LLaVA (one row of features per image), Idefics3
+(image splitting), Qwen2.5-VL (windowed vision attention), Gemma 3 (each image's tokens attend both ways: its
+``token_type_ids``) and PaliGemma (a prefix language model: the prompt attends both ways), each saved as a folder
+that ``AutoModelForImageTextToText`` and ``AutoProcessor`` load.
 
 Nothing is downloaded: the tokenizer is ``models/tiny.py``'s character tokenizer with the family's image tokens
 added, the image processor the family's PIL one (no torchvision needed), and the chat template a small one that
@@ -17,18 +19,29 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from grpo_lightning.config import ConfigError
 from grpo_lightning.models.tiny import build_char_tokenizer
 
-VLM_FAMILIES = ("qwen2_vl", "llava", "idefics3")
+VLM_FAMILIES = ("qwen2_vl", "llava", "idefics3", "qwen2_5_vl", "gemma3", "paligemma")
 
 # How each family marks an image in the text the processor is given (it expands the marker to the image's tokens).
 _IMAGE_MARKUP = {
     "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "llava": "<image>",
     "idefics3": "<image>",
+    "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "gemma3": "<start_of_image>",  # Gemma3Processor expands it to the image's soft tokens, framed
+    "paligemma": "<image>",
 }
 _SPECIAL_TOKENS = {
     "qwen2_vl": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
     "llava": ["<image>"],
     "idefics3": ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"],
+    "qwen2_5_vl": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
+    "gemma3": ["<start_of_image>", "<end_of_image>", "<image_soft_token>", "<bos>"],
+    "paligemma": ["<image>", "<bos>"],
+}
+# The tokens a family's processor finds by name on its tokenizer (transformers' ``extra_special_tokens``).
+_NAMED_TOKENS = {
+    "gemma3": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
+    "paligemma": {"image_token": "<image>"},
 }
 _HIDDEN, _HEADS, _LAYERS = 64, 2, 2  # text heads 64 / 2 = 32 wide
 
@@ -51,6 +64,17 @@ def build_vlm_tokenizer(family: str) -> PreTrainedTokenizerFast:
     """The character tokenizer with ``family``'s image tokens added as special tokens, and its chat template."""
     tokenizer = build_char_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL_TOKENS[family]})
+    if family in _NAMED_TOKENS:  # the same vocabulary, with the names its processor reads
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=tokenizer.backend_tokenizer,
+            pad_token=tokenizer.pad_token,
+            eos_token=tokenizer.eos_token,
+            unk_token=tokenizer.unk_token,
+            bos_token="<bos>",
+            extra_special_tokens=_NAMED_TOKENS[family],
+            padding_side="left",
+            model_max_length=tokenizer.model_max_length,
+        )
     tokenizer.chat_template = chat_template(family)
     return tokenizer
 
@@ -182,4 +206,116 @@ def _idefics3(tokenizer: PreTrainedTokenizerFast, seed: int) -> tuple[object, Pr
     return processor, _seeded(seed, Idefics3ForConditionalGeneration, config)
 
 
-_BUILDERS = {"qwen2_vl": _qwen2_vl, "llava": _llava, "idefics3": _idefics3}
+def _qwen2_5_vl(tokenizer: PreTrainedTokenizerFast, seed: int) -> tuple[object, PreTrainedModel]:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from grpo_lightning.vision.processors import image_only_processor
+
+    ids = tokenizer.convert_tokens_to_ids
+    rope = {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 10000.0}
+    config = Qwen2_5_VLConfig(
+        text_config=_text_config(tokenizer, rope_parameters=rope),
+        vision_config={
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": _HIDDEN,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 56,  # 2 x 2 merged cells a window: an image of 112 pixels has several
+            "fullatt_block_indexes": [1],  # block 0 attends within windows, block 1 over the whole image
+            "in_channels": 3,
+        },
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=True,
+    )
+    images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, merge_size=2)
+    processor = image_only_processor("Qwen2_5_VLProcessor", images, tokenizer, chat_template("qwen2_5_vl"))
+    return processor, _seeded(seed, Qwen2_5_VLForConditionalGeneration, config)
+
+
+def _gemma_text(tokenizer: PreTrainedTokenizerFast) -> dict[str, object]:
+    # Gemma's heads are sized apart from the hidden size; one sliding-window layer (a window shorter than a
+    # prompt), one global.
+    return {
+        **_text_config(tokenizer),
+        "head_dim": _HIDDEN // _HEADS,
+        "query_pre_attn_scalar": _HIDDEN // _HEADS,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "bos_token_id": tokenizer.bos_token_id,
+    }
+
+
+def _siglip(image_size: int) -> dict[str, object]:
+    return {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": image_size,
+        "patch_size": 14,
+    }
+
+
+def _gemma3(tokenizer: PreTrainedTokenizerFast, seed: int) -> tuple[object, PreTrainedModel]:
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    config = Gemma3Config(
+        text_config=_gemma_text(tokenizer),
+        vision_config=_siglip(56),
+        mm_tokens_per_image=4,  # 4 x 4 patches pooled 2 x 2: 4 soft tokens an image
+        boi_token_index=tokenizer.convert_tokens_to_ids("<start_of_image>"),
+        eoi_token_index=tokenizer.convert_tokens_to_ids("<end_of_image>"),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image_soft_token>"),
+        tie_word_embeddings=True,
+    )
+    images = Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
+    processor = Gemma3Processor(
+        image_processor=images, tokenizer=tokenizer, chat_template=chat_template("gemma3"), image_seq_length=4
+    )
+    model = _seeded(seed, Gemma3ForConditionalGeneration, config)
+    # Gemma 3 initialises its image projection to zeros: every image would then be the same zero features.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.1)
+    return processor, model
+
+
+def _paligemma(tokenizer: PreTrainedTokenizerFast, seed: int) -> tuple[object, PreTrainedModel]:
+    from transformers import GemmaConfig, PaliGemmaConfig, PaliGemmaForConditionalGeneration, PaliGemmaProcessor
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    images = SiglipImageProcessorPil(size={"height": 28, "width": 28})
+    images.image_seq_length = 4  # 2 x 2 patches of 14 pixels
+    # The processor adds PaliGemma's location and segmentation tokens to the tokenizer: built first, the model's
+    # vocabulary then counts them.
+    processor = PaliGemmaProcessor(
+        image_processor=images, tokenizer=tokenizer, chat_template=chat_template("paligemma")
+    )
+    text = {key: value for key, value in _gemma_text(tokenizer).items() if key != "layer_types"}
+    config = PaliGemmaConfig(
+        text_config={**GemmaConfig(**{**text, "sliding_window": None}).to_dict(), "model_type": "gemma"},
+        vision_config={**_siglip(28), "projection_dim": _HIDDEN},
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        projection_dim=_HIDDEN,
+        tie_word_embeddings=True,
+    )
+    return processor, _seeded(seed, PaliGemmaForConditionalGeneration, config)
+
+
+_BUILDERS = {
+    "qwen2_vl": _qwen2_vl,
+    "llava": _llava,
+    "idefics3": _idefics3,
+    "qwen2_5_vl": _qwen2_5_vl,
+    "gemma3": _gemma3,
+    "paligemma": _paligemma,
+}

@@ -239,7 +239,10 @@ def sessions_batch(rows_per_session, rewards):
 def test_dynamic_sampling_keeps_and_counts_whole_sessions():
     first = sessions_batch([2, 1, 1, 1], [1.0, 0.0, 3.0, 3.0])  # groups of 2 sessions: informative, not
     second = sessions_batch([1, 3, 1, 1], [0.0, 2.0, 5.0, 5.0])
-    out, generated, draws = refill_informative(first, lambda: second, group_size=2, max_rounds=2, pad_token_id=0)
+    settings = RoundSettings(
+        sampling=SamplingConfig(group_size=2), advantage=AdvantageConfig(), optimizer_steps=1, max_sampling_rounds=2
+    )
+    out, generated, draws = refill_informative(first, lambda: second, settings, pad_token_id=0)
     assert draws == 2 and len(out) == 2 + 1 + 1 + 3  # the informative group of each draw, every row of it
     assert out.trajectory.tolist() == [0, 0, 1, 2, 3, 3, 3] and out.per_trajectory().rewards.tolist() == [1, 0, 0, 2]
 

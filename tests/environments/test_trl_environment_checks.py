@@ -121,7 +121,8 @@ data:
     rollout = cli.datamodule.last_rollout
     assert cli.trainer.global_step >= 1 and len(rollout.prompts) == 8
     weather = [i for i, p in enumerate(rollout.prompts) if p == QUESTION]
-    assert rollout.reward_columns["env_WeatherEnv"] == [0.0] * 8  # a random model calls no tool: Paris not asked
+    # A random model calls no tool: Paris not asked (0); MathEnv has no get_reward: None there, as in TRL.
+    assert rollout.reward_columns["env_WeatherEnv"] == [0.0 if i in weather else None for i in range(8)]
     tokenizer = cli.model.tokenizer
     for i in range(8):
         text = tokenizer.decode(rollout.prompt_ids[i][rollout.prompt_mask[i].bool()])

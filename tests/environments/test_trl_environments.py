@@ -314,7 +314,7 @@ def test_a_row_chooses_its_class_and_its_prompt_lists_that_class_tools_only(trl)
     assert '"name": "forecast"' in weather_prompt and '"name": "add"' not in weather_prompt
     assert '"name": "add"' in math_prompt and '"name": "forecast"' not in math_prompt
     assert "\n42\n" in tokenizer.decode(parts(out, 2)[2][0])
-    assert out.env_rewards == {"WeatherEnv": [1.0, 1.0, 0.0, 0.0]}  # MathEnv has no get_reward: 0 in that column
+    assert out.env_rewards == {"WeatherEnv": [1.0, 1.0, None, None]}  # MathEnv has no get_reward: None, as in TRL
 
 
 def test_a_failing_call_is_an_error_observation_never_a_crash():

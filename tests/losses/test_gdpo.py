@@ -124,6 +124,7 @@ def scored_batch(values: dict, weights: list[float]) -> SimpleNamespace:
     return SimpleNamespace(
         rewards=torch.tensor(scores.total),
         reward_columns=scores.per_function,
+        reward_weights=scores.weights,
         unscorable=torch.tensor(scores.unscorable),
         step_rewards=None,
     )
@@ -134,7 +135,6 @@ def ours(values: dict, weights: list[float], group_size: int, aggregation: str, 
         sampling=SamplingConfig(group_size=group_size),
         advantage=AdvantageConfig(multi_objective_aggregation=aggregation, **advantage),
         optimizer_steps=1,
-        reward_weights=dict(zip(values, weights, strict=True)),
     )
     return compute_advantages(scored_batch(values, weights), settings)
 

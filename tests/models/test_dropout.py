@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY, quiet_trainer
+from helpers import length_reward
+from lightning import Callback
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from grpo_lightning import GRPOModule, ObjectiveConfig
+from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
+from grpo_lightning.lora import LoraConfig
 from grpo_lightning.models.build import disable_dropout
+from grpo_lightning.rewards import RewardSpec, register
+
+register("dropout_length")(length_reward)
 
 
 @pytest.fixture
@@ -53,3 +60,47 @@ def test_attention_dropout_given_as_a_float_is_zeroed():
     assert disable_dropout(model) == 1
     assert model.model.layers[0].self_attn.attention_dropout == 0.0
     assert torch.equal(train_mode_logits(model, 1), train_mode_logits(model, 2))
+
+
+class RatioRecorder(Callback):
+    """Each optimizer step's ratio range and clip fraction, as ``training_step`` logs them."""
+
+    def __init__(self) -> None:
+        self.ratio_min, self.ratio_max, self.clip_frac = [], [], []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        metrics = trainer.callback_metrics
+        self.ratio_min.append(float(metrics["train/ratio_min"]))
+        self.ratio_max.append(float(metrics["train/ratio_max"]))
+        self.clip_frac.append(float(metrics["train/clip_frac"]))
+
+
+@pytest.mark.parametrize("old_logprobs", ["sampler", "recompute"])
+def test_lora_adapters_run_without_dropout_so_the_on_policy_ratio_is_one(tmp_path, old_logprobs):
+    """``model.lora.dropout: 0.3`` with dropout disabled (GRPO's default): PEFT's adapter dropout is off too, so the
+    update (train mode) computes the π that sampled (eval mode). B is made non-zero first: with B = 0 the adapter adds
+    nothing and its dropout cannot show."""
+    pytest.importorskip("peft", reason="LoRA needs PEFT: pip install 'grpo_lightning[lora]'")
+    module = GRPOModule(tiny_model=TINY, objective=ObjectiveConfig(beta=0.0), lora=LoraConfig(r=4, dropout=0.3))
+    module.configure_model()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in module.policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)
+    data = RolloutDataModule(
+        rewards=[RewardSpec("dropout_length")],
+        sampling=SamplingConfig(group_size=4, max_new_tokens=6),
+        old_logprobs=old_logprobs,
+        prompts_per_round=4,
+        mini_batch_size=8,  # two steps a round: the first is on-policy and is taken against π_old's log-probs
+        val_limit=4,
+        task_kwargs={"test_size": 50},
+    )
+    recorder = RatioRecorder()
+    quiet_trainer(tmp_path, max_epochs=1, callbacks=[recorder]).fit(module, datamodule=data)
+    exact = old_logprobs == "recompute"  # the sampler's decoding passes round differently from one full pass
+    tolerance = 0.0 if exact else 1e-5
+    assert recorder.ratio_min[0] == pytest.approx(1.0, abs=tolerance)
+    assert recorder.ratio_max[0] == pytest.approx(1.0, abs=tolerance)
+    assert recorder.clip_frac[0] == 0.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import ARCHITECTURE_SIZE, F32, LEAN_ARCHITECTURES, build_architecture
+from packing_timings import injected, needs_onednn
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
     GPT2Config,
@@ -18,11 +19,17 @@ from transformers import (
 )
 
 from grpo_lightning.engines.lean import sample_completions
-from grpo_lightning.models import cpu_packing
+from grpo_lightning.models import cpu_packing, cpu_packing_rule
 from grpo_lightning.models import lean as lean_forward
 from grpo_lightning.models.lean import lean_unsupported, prompt_groups, shared_prompt_hidden
-from grpo_lightning.models.lean_decoder import LeanDecoder, cpu_weight_packer
+from grpo_lightning.models.lean_decoder import LeanDecoder
 from grpo_lightning.models.logprobs import completion_logprobs, token_positions
+
+
+@pytest.fixture
+def calibration(monkeypatch, tmp_path):
+    """CPU packing on with injected timings (``packing_timings.injected``)."""
+    yield from injected(monkeypatch, tmp_path)
 
 
 def rollout(group_size: int = 2, prompt_len: int = 5, completion_len: int = 6, padded: bool = True):
@@ -65,32 +72,35 @@ def test_shared_prompt_pass_gives_the_model_logits(name, padded):
 @pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
 @pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("name", LEAN_ARCHITECTURES)
-def test_decoding_steps_give_the_model_logits(name, pack, padded):
-    """Prefill + decoding steps; ``packed``: every decoder-layer weight pre-packed for oneDNN (by default only
-    large ones are)."""
+def test_decoding_steps_give_the_model_logits(name, pack, padded, calibration, monkeypatch):
+    """Prefill + decoding steps; ``packed``: packing measured to pay for every decoder-layer product group (q, k,
+    v and gate, up stacked, Qwen2's biases with them), so every one is pre-packed for oneDNN; ``plain``: none."""
+    if pack and not cpu_packing.onednn_available():
+        pytest.skip("this torch build cannot pre-pack CPU weights")
+    if not pack:
+        monkeypatch.setenv(cpu_packing_rule.SWITCH, "off")
     model = build_architecture(name)
     prompt_ids, prompt_mask, completion_ids, _ = rollout(padded=padded)
-    packer = cpu_weight_packer(rows=6, min_elements=1)
-    if pack and (packer is None or packer(model.lm_head.weight) is None):
-        pytest.skip("this torch build cannot pre-pack CPU weights")
     with torch.no_grad():
         expected = reference_logits(model, prompt_ids, prompt_mask, completion_ids)
-        decoder = LeanDecoder(model, pack_min_elements=1 if pack else 1 << 60)
+        decoder = LeanDecoder(model)
         logits = [decoder.prefill(prompt_ids, prompt_mask, 2, completion_ids.size(1)).repeat_interleave(2, 0)]
         for step in range(completion_ids.size(1) - 1):
             logits.append(decoder.decode(completion_ids[:, step]))
         torch.testing.assert_close(torch.stack(logits, 1), expected, **F32)
-    # On CPU the decoder stacks q, k, v (gate, up) into one product each, and multiplies by the stacked weights
-    used = [p for layer in decoder.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    assert all(p is not None and (p.packed is not None) == pack for p in used)
+    # Where packing pays the decoder stacks q, k, v (gate, up) into one product each and packs them; else neither
+    for layer in decoder.layers:
+        assert (layer.qkv is not None) == (layer.gate_up is not None) == pack
+        assert all((p.packed is not None) == pack for p in (layer.o, layer.down) + ((layer.qkv, layer.gate_up) * pack))
 
 
+@needs_onednn
 @pytest.mark.parametrize("name", LEAN_ARCHITECTURES)
-def test_a_large_pass_without_gradients_packs_its_weights_and_gives_the_model_logits(name, monkeypatch):
-    """A pass of at least ``PASS_MIN_TOKENS`` positions without gradients multiplies by weights packed layer by
-    layer (q, k, v and gate, up stacked, Qwen2's biases with them); with gradients, the same pass multiplies by the
-    parameters themselves (the packed product has no backward). Here the completions' pass has 16 x 71 positions,
-    the prompts' 8 x 8, too few to pack."""
+def test_a_large_pass_without_gradients_packs_its_weights_and_gives_the_model_logits(name, monkeypatch, calibration):
+    """A pass without gradients where packing pays (here: every group, measured at ``PASS_ROWS`` rows) multiplies
+    by weights packed layer by layer (q, k, v and gate, up stacked, Qwen2's biases with them); with gradients, the
+    same pass multiplies by the parameters themselves (the packed product has no backward). Here the completions'
+    pass has 16 x 71 positions, the prompts' 8 x 8, fewer than ``PASS_ROWS``: not packed."""
     model = build_architecture(name)
     calls = []
     real = cpu_packing.packed_linear
@@ -100,15 +110,14 @@ def test_a_large_pass_without_gradients_packs_its_weights_and_gives_the_model_lo
     prompt_mask = torch.ones_like(prompt_ids)
     prompt_mask[3, :5] = 0
     completion_ids = torch.randint(1, ARCHITECTURE_SIZE["vocab_size"], (16, 72))
-    assert completion_ids[:, :-1].numel() >= cpu_packing.PASS_MIN_TOKENS > prompt_ids.numel()
+    assert completion_ids[:, :-1].numel() >= cpu_packing_rule.PASS_ROWS > prompt_ids.numel()
+    calibration.timings = cpu_packing_rule.Timing(plain=1e-3, packed=0.5e-3, reorder=0.0)  # pays from PASS_ROWS
     with torch.no_grad():
         expected = reference_logits(model, prompt_ids, prompt_mask, completion_ids)
         hidden = shared_prompt_hidden(
             model, prompt_ids.repeat_interleave(2, 0), prompt_mask.repeat_interleave(2, 0), completion_ids
         )
         torch.testing.assert_close(model.lm_head(hidden), expected, **F32)
-    if cpu_weight_packer(rows=8) is None:
-        pytest.skip("this torch build cannot pre-pack CPU weights")
     # The completion pass (not the 64-position prompt pass): 4 products per layer (qkv, o, gate_up, down)
     assert len(calls) == 4 * model.config.num_hidden_layers
     calls.clear()
@@ -119,20 +128,20 @@ def test_a_large_pass_without_gradients_packs_its_weights_and_gives_the_model_lo
     assert calls == [] and all(p.grad is not None for p in model.model.layers[0].parameters())
 
 
-def test_no_pass_packs_under_autocast_in_another_dtype_or_off_the_cpu():
-    """``pass_packer``: packed products bypass autocast and have no backward: only float32 CPU passes without
-    gradients, of at least ``PASS_MIN_TOKENS`` positions, get one."""
-    if cpu_weight_packer(rows=8) is None:
-        pytest.skip("this torch build cannot pre-pack CPU weights")
-    hidden, many = torch.zeros(1, 4), cpu_packing.PASS_MIN_TOKENS
+@needs_onednn
+def test_no_pass_packs_under_autocast_in_another_dtype_or_off_the_cpu(calibration):
+    """``pass_plan``: packed products bypass autocast and have no backward: only float32 CPU passes without
+    gradients, of at least ``PASS_ROWS`` positions, get one (``packing_applies``, shared with the decoder)."""
+    model, hidden, many = build_architecture("llama"), torch.zeros(1, 4), 4 * cpu_packing_rule.PASS_ROWS
     with torch.no_grad():
-        assert cpu_packing.pass_packer(hidden, many) is not None
-        assert cpu_packing.pass_packer(hidden, many - 1) is None
-        assert cpu_packing.pass_packer(hidden.bfloat16(), many) is None
-        assert cpu_packing.pass_packer(hidden.to("meta"), many) is None
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert cpu_packing.pass_packer(hidden, many) is None
-    assert cpu_packing.pass_packer(hidden, many) is None  # gradients enabled
+        assert cpu_packing_rule.pass_plan(model, hidden, many) is not None
+        assert cpu_packing_rule.pass_plan(model, hidden, cpu_packing_rule.PASS_ROWS - 1) is None
+        assert cpu_packing_rule.pass_plan(model, hidden.bfloat16(), many) is None
+        assert cpu_packing_rule.pass_plan(model, hidden.to("meta"), many) is None
+        for dtype in (torch.bfloat16, torch.float16):
+            with torch.autocast("cpu", dtype=dtype):
+                assert cpu_packing_rule.pass_plan(model, hidden, many) is None
+    assert cpu_packing_rule.pass_plan(model, hidden, many) is None  # gradients enabled
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])

@@ -391,7 +391,7 @@ def test_unscorable_rows_log_metric_and_log_extra_reach_the_rollout_and_its_tabl
     settings = RoundSettings(sampling=SamplingConfig(group_size=2), advantage=AdvantageConfig(), optimizer_steps=1)
     batch.advantages = compute_advantages(batch, settings)
     assert batch.advantages[1] == 0 and batch.advantages[0] == 0  # alone in its group once row 1 is out
-    metrics = rollout_metrics(batch, 2, {})
+    metrics = rollout_metrics(batch, settings, {})
     assert metrics["reward_log/calls"] == 1.0 and metrics["rollout/unscorable_fraction"] == 0.25
     columns, rows = completion_rows(batch)
     assert columns[-1] == "first_char" and [row[-1] for row in rows] == ["a", "z", "a", "a"]

@@ -35,9 +35,12 @@ def test_the_rewards_weights_reach_gdpo(tmp_path):
     attach(module, data, quiet_trainer(tmp_path))
     module.configure_model()
     settings = data.collector.round_settings()
-    assert settings.reward_weights == {"test_estimators_length": 0.5, "test_estimators_checksum": 2.0}
+    weights = data.collector.scorer(["1+1="], ["2"], {}).weights  # each column's, beside its values on the batch
+    assert weights == {"test_estimators_length": 0.5, "test_estimators_checksum": 2.0}
     columns = {"test_estimators_length": [1.0, 3.0, 2.0, 2.0], "test_estimators_checksum": [0.0, 1.0, 4.0, 1.0]}
-    batch = SimpleNamespace(rewards=torch.zeros(4), reward_columns=columns, unscorable=None, step_rewards=None)
+    batch = SimpleNamespace(
+        rewards=torch.zeros(4), reward_columns=columns, reward_weights=weights, unscorable=None, step_rewards=None
+    )
     rewards = torch.tensor([columns["test_estimators_length"], columns["test_estimators_checksum"]]).T
     weighted = batch_normalized(decoupled_sum(rewards, torch.tensor([0.5, 2.0]), 4))
     assert torch.equal(compute_advantages(batch, settings), weighted)

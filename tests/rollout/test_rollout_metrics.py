@@ -2,12 +2,14 @@
 
 An environment names its metrics and reward parts by what a trajectory did (``tool_calls`` only where a tool was
 called), so two draws of a DAPO round, or two ranks' rounds, can hold different names. ``RolloutBatch.concat``
-joins all of them (0 where a draw had none), ``run_round`` makes every rank take the names of all ranks, and
+joins all of them (a count 0 where a draw had none, a reward part None: not applicable, as a trajectory that did
+not earn it), ``run_round`` makes every rank take the names of all ranks, and
 ``merge_rank_metrics`` reduces every rank's metrics alike (the 2-process run: ``test_rollout_metrics_ddp.py``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -45,17 +47,17 @@ def rows_batch(n: int, turn_stats: dict[str, list[float]], reward_columns: dict[
 @pytest.mark.parametrize("tool_draw", ["first", "second"])
 def test_concat_joins_the_names_of_all_draws(tool_draw: str) -> None:
     """The draw that called a tool (and earned ``env_bonus``) first or second: either way every name is kept, and
-    the other draw's rows count 0 (HEAD: KeyError, or the names dropped)."""
+    the other draw's rows count 0 calls and have no bonus, None (HEAD: KeyError, or the names dropped)."""
     called = rows_batch(2, {"turns": [2.0, 1.0], "tool_calls": [1.0, 0.0]}, {"r": [1.0, None], "env_bonus": [0.5, 0]})
     plain = rows_batch(1, {"turns": [1.0]}, {"r": [0.0]})
     draws = [called, plain] if tool_draw == "first" else [plain, called]
     joined = RolloutBatch.concat(draws, pad_token_id=0)
     if tool_draw == "first":
         assert joined.turn_stats == {"turns": [2.0, 1.0, 1.0], "tool_calls": [1.0, 0.0, 0.0]}
-        assert joined.reward_columns == {"r": [1.0, None, 0.0], "env_bonus": [0.5, 0, 0.0]}
+        assert joined.reward_columns == {"r": [1.0, None, 0.0], "env_bonus": [0.5, 0, None]}
     else:
         assert joined.turn_stats == {"turns": [1.0, 2.0, 1.0], "tool_calls": [0.0, 1.0, 0.0]}
-        assert joined.reward_columns == {"r": [0.0, 1.0, None], "env_bonus": [0.0, 0.5, 0]}
+        assert joined.reward_columns == {"r": [0.0, 1.0, None], "env_bonus": [None, 0.5, 0]}
     # select keeps every name, its rows in step with the tensors
     picked = joined.select(torch.tensor([2, 0]))
     assert list(picked.turn_stats) == list(joined.turn_stats)
@@ -154,14 +156,15 @@ def test_dynamic_sampling_keeps_an_environment_metric_of_one_draw(tool_draw: str
     expected = [1.0, 1.0, 0.0, 0.0] if tool_draw == "first" else [0.0, 0.0, 1.0, 1.0]
     assert list(batch.turn_stats) == [*BASE_STATS, "tool_calls"] and batch.turn_stats["tool_calls"] == expected
     assert list(batch.reward_columns) == ["metrics_spread_on_odd", "env_bonus"]
-    assert batch.reward_columns["env_bonus"] == expected
-    assert batch.metrics["rollout/tool_calls_mean"] == 0.5 and batch.metrics["reward/env_bonus"] == 0.5
+    assert batch.reward_columns["env_bonus"] == [v or None for v in expected]  # not earned: None, not applicable
+    assert batch.metrics["rollout/tool_calls_mean"] == 0.5 and batch.metrics["reward/env_bonus"] == 1.0
     assert batch.metrics["rollout/sampling_rounds"] == 2.0
 
 
 def test_every_rank_takes_the_names_of_all_ranks() -> None:
-    """This rank called no tool; another one did: this rank's rows count 0 calls and 0 bonus, and it summarises
-    (and so logs) the same metrics, in the same order (HEAD: no ``per_rank``, the names stayed this rank's)."""
+    """This rank called no tool; another one did: this rank's rows count 0 calls and have no bonus (None, as a
+    trajectory of the other rank that earned none: one rule on every rank), and it summarises (and so logs) the
+    same metrics, in the same order (HEAD: no ``per_rank``, the names stayed this rank's)."""
     asked: list[dict[str, list[str]]] = []
     other = {
         "reward_columns": ["metrics_spread_on_odd", "env_bonus"],
@@ -176,8 +179,8 @@ def test_every_rank_takes_the_names_of_all_ranks() -> None:
     batch = round_of([["1+1=", "2+2="]], ToolOnSome(), dynamic=False, per_rank=per_rank)
     assert asked == [{"reward_columns": ["metrics_spread_on_odd"], "turn_stats": BASE_STATS, "extra_columns": []}]
     assert {column: list(getattr(batch, column)) for column in other} == other
-    assert batch.turn_stats["tool_calls"] == [0.0] * 4 and batch.reward_columns["env_bonus"] == [0.0] * 4
-    assert batch.metrics["rollout/tool_calls_mean"] == 0.0 and batch.metrics["reward/env_bonus"] == 0.0
+    assert batch.turn_stats["tool_calls"] == [0.0] * 4 and batch.reward_columns["env_bonus"] == [None] * 4
+    assert batch.metrics["rollout/tool_calls_mean"] == 0.0 and math.isnan(batch.metrics["reward/env_bonus"])
     metric_names = [k for k in batch.metrics if k.startswith(("reward/", "rollout/tool"))]
     assert metric_names == ["reward/metrics_spread_on_odd", "reward/env_bonus", "rollout/tool_calls_mean"]
 
@@ -233,4 +236,4 @@ def test_align_columns_never_drops_a_name() -> None:
         batch.align_columns({"turn_stats": ["turns"], "reward_columns": ["r"]})
     batch.align_columns({"turn_stats": ["tool_calls", "turns", "z"], "reward_columns": ["r", "env_q"]})
     assert batch.turn_stats == {"tool_calls": [1.0], "turns": [1.0], "z": [0.0]}
-    assert batch.reward_columns == {"r": [1.0], "env_q": [0.0]}
+    assert batch.reward_columns == {"r": [1.0], "env_q": [None]}

@@ -45,11 +45,13 @@ def _setup(path):
     return engine, model, encoder.tokenizer, (ids, mask, vision)
 
 
-def _row_logits(model, vision_row, ids: torch.Tensor) -> torch.Tensor:
-    """``[len(ids), V]``: the model's logits over one unpadded row, given its images."""
+def _row_logits(model, vision_row, ids: torch.Tensor, prompt_length: int) -> torch.Tensor:
+    """``[len(ids), V]``: the model's logits over one unpadded row (its prompt's ``prompt_length`` tokens, then
+    sampled ones), given its images."""
     ids, mask = ids[None], torch.ones(1, ids.numel(), dtype=torch.long)
+    extra = forward_inputs(model, [vision_row], ids, mask, prompt_width=prompt_length)
     with torch.no_grad():
-        return model(input_ids=ids, attention_mask=mask, **forward_inputs(model, [vision_row], ids, mask)).logits[0]
+        return model(input_ids=ids, attention_mask=mask, **extra).logits[0]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -81,7 +83,9 @@ def _sampling_logprobs(model, out, vision, params: SamplingParams, ends: tuple[i
     for row in range(out.completion_ids.size(0)):
         prompt = out.prompt_ids[row][out.prompt_mask[row].bool()]
         completion = out.completion_ids[row][out.completion_mask[row].bool()]
-        logits = _row_logits(model, vision[row // group], torch.cat([prompt, completion]))[prompt.numel() - 1 : -1]
+        logits = _row_logits(model, vision[row // group], torch.cat([prompt, completion]), prompt.numel())[
+            prompt.numel() - 1 : -1
+        ]
         logits[:, placeholder_token_ids(model)] = float("-inf")
         logits[: params.min_new_tokens, list(ends)] = float("-inf")
         scores = filter_logits(logits.float(), temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
@@ -156,10 +160,10 @@ def test_token_pairs_after_an_image_prompt_follow_the_model_distribution(tiny_vl
     )
     out = engine.generate(ids, mask, params, generator=torch.Generator().manual_seed(7), vision=vision)
     banned = (*model_end_ids(model, tokenizer), *placeholder_token_ids(model))
-    first = filtered_probs(_row_logits(model, vision[0], ids[0])[-1], temperature, top_k, banned)
+    first = filtered_probs(_row_logits(model, vision[0], ids[0], ids.size(1))[-1], temperature, top_k, banned)
     expected = {}
     for t1 in first.nonzero().flatten().tolist():
-        logits = _row_logits(model, vision[0], torch.cat([ids[0], torch.tensor([t1])]))[-1]
+        logits = _row_logits(model, vision[0], torch.cat([ids[0], torch.tensor([t1])]), ids.size(1))[-1]
         second = filtered_probs(logits, temperature, top_k, banned)
         for t2 in second.nonzero().flatten().tolist():
             expected[(t1, t2)] = float(first[t1] * second[t2]) * draws

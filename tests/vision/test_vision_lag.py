@@ -40,7 +40,7 @@ def sampled_logprobs(model, rollout) -> torch.Tensor:
     ids = torch.cat([prompt_ids, completion_ids], 1)
     attention = torch.cat([rollout.prompt_mask.cpu(), rollout.completion_mask.cpu()], 1)
     with torch.no_grad():
-        extra = forward_inputs(model, rollout.vision, ids, attention)
+        extra = forward_inputs(model, rollout.vision, ids, attention, prompt_width=prompt_ids.size(1))
         logits = model(input_ids=ids, attention_mask=attention, **extra).logits[:, prompt_ids.size(1) - 1 : -1]
     logits[..., placeholder_token_ids(model)] = float("-inf")
     return logits.float().log_softmax(-1).gather(-1, completion_ids[..., None]).squeeze(-1)

@@ -67,10 +67,13 @@ def test_the_images_change_the_logprobs(tiny_vlms, family):
 def test_qwen2_vl_positions_are_the_models_own_under_left_padding(tiny_vlms):
     """Row 0 left-padded in the batch gets the 3-D M-RoPE positions the model itself gives it alone, unpadded."""
     model, (prompt_ids, prompt_mask, _, _), vision = _rollout(tiny_vlms["qwen2_vl"])
-    batch = forward_inputs(model, vision, prompt_ids, prompt_mask)["position_ids"]  # [3, B, P]
+    batch = forward_inputs(model, vision, prompt_ids, prompt_mask, prompt_width=prompt_ids.size(1))[
+        "position_ids"
+    ]  # [3, B, P]
     real = prompt_mask[0].bool()
     alone_ids = prompt_ids[:1, real]
-    alone = forward_inputs(model, vision[:1], alone_ids, torch.ones_like(alone_ids))["position_ids"]
+    alone = forward_inputs(model, vision[:1], alone_ids, torch.ones_like(alone_ids), prompt_width=alone_ids.size(1))
+    alone = alone["position_ids"]
     assert batch.shape[0] == 3 and not torch.equal(alone[0], alone[1])  # 3-D: the image's rows and columns differ
     torch.testing.assert_close(batch[:, 0, real], alone[:, 0])
     own, _ = model.model.get_rope_index(
@@ -95,10 +98,10 @@ def test_qwen2_vl_positions_once_per_prompt_equal_the_models_over_the_whole_batc
     completion_mask = (torch.arange(8)[None] < lengths[:, None]).long()
     completion_ids = torch.randint(3, 60, (len(rows), 8), generator=generator) * completion_mask
     input_ids, attention = torch.cat([ids, completion_ids], 1), torch.cat([mask, completion_mask], 1)
-    fast = forward_inputs(model, rows, input_ids, attention)["position_ids"]
+    fast = forward_inputs(model, rows, input_ids, attention, prompt_width=ids.size(1))["position_ids"]
     grids = [row["image_grid_thw"] for row in rows if "image_grid_thw" in row]
     own, _ = model.model.get_rope_index(
-        input_ids, mm_token_type_ids=modality_types(model, input_ids), image_grid_thw=torch.cat(grids),
+        input_ids, mm_token_type_ids=modality_types(model.config, input_ids), image_grid_thw=torch.cat(grids),
         attention_mask=attention,
     )  # fmt: skip
     real = attention.bool()

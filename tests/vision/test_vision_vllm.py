@@ -87,10 +87,9 @@ def trainer_logprobs(policy, out, vision, params) -> tuple[torch.Tensor, torch.T
     rows = repeat_rows(vision, group)
     input_ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
     attention = torch.cat([out.prompt_mask, out.completion_mask], 1)
+    extra = forward_inputs(policy, rows, input_ids, attention, prompt_width=out.prompt_ids.size(1))
     with torch.no_grad():
-        logits = policy(
-            input_ids=input_ids, attention_mask=attention, **forward_inputs(policy, rows, input_ids, attention)
-        ).logits
+        logits = policy(input_ids=input_ids, attention_mask=attention, **extra).logits
     logits = logits[:, out.prompt_ids.size(1) - 1 : -1].float()
     if not params.greedy:
         logits = logits / params.temperature
