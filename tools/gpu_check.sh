@@ -401,7 +401,7 @@ def servers(result: dict) -> None:
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder.name, "--host", "127.0.0.1",
         "--port", str(port), "--dtype", str(dtype).removeprefix("torch."), "--seed", "0",
         "--max-model-len", str(prompt_len + params.max_new_tokens), "--logprobs-mode", "processed_logprobs",
-        "--weight-transfer-config", json.dumps({"backend": transport}),
+        "--weight-transfer-config", json.dumps({"backend": "checked_nccl" if transport == "nccl" else transport}),
     ]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     if cuda:

@@ -113,6 +113,12 @@ class RolloutEngine(ABC):
     supports_continuation: bool = False
     """``generate`` takes ``session=`` (from ``open_session``): each row then continues from the keys and values
     kept at the session's previous call, prefilling only its new tokens (``engines/continuation.py``)."""
+    takes_images: bool = False
+    """``generate`` takes ``vision=``: a vision-language model's images for each prompt (``grpo_lightning/vision``)."""
+    follows_token_types: bool = False
+    """A vision-language model whose forward reads ``token_type_ids`` (Gemma 3's bidirectional attention within an
+    image, PaliGemma's prefix: ``vision/inputs.py: TOKEN_TYPE_RULES``) samples with them as its own forward reads
+    them, checked against that forward (``tests/vision/test_vision_families.py``)."""
 
     def __init__(self) -> None:
         self.weights_version: int | None = None  # the optimizer step of the weights held (engines with a copy)

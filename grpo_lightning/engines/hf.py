@@ -76,6 +76,7 @@ class TransformersEngine(RolloutEngine):
     shares_weights = True
     takes_images = True  # generate(vision=...): a vision-language model's images (grpo_lightning/vision)
     supports_continuation = True
+    follows_token_types = True  # generate() makes them as the passes do (vision/inputs.py: token_inputs)
 
     def generation_config(self, params: SamplingParams, group_size: int) -> GenerationConfig:
         """The whole sampling distribution, from ``params`` only: the model's ``generation_config`` never adds to it

@@ -12,7 +12,6 @@ can take the trainer's weights. Imported in the server's processes only (it impo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +22,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from grpo_lightning.engines.vllm_loading import load_checked
+from grpo_lightning.engines.vllm_loading import receive_checked
 from grpo_lightning.engines.weight_transfer import gloo_broadcast, gloo_group
 
 
@@ -88,18 +87,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if self.group is None:
             raise RuntimeError("the gloo weight transfer is not initialised: call init_weight_transfer_engine first")
 
-        def received() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
-                weight = torch.empty(shape, dtype=getattr(torch, dtype_name))
-                gloo_broadcast(self.group, weight)
-                yield name, weight.to(self.device)
+        def receive(weight: torch.Tensor) -> torch.Tensor:
+            gloo_broadcast(self.group, weight)
+            return weight.to(self.device)
 
-        problem = load_checked(self.model, received(), lora=self.vllm_config.lora_config is not None)
-        if problem is not None:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-            finalize_layerwise_reload(self.model, self.model_config)  # no layer left waiting for the next push
-            raise ValueError(problem)
+        receive_checked(self, update_info.names, update_info.dtype_names, update_info.shapes, receive)
 
     def shutdown(self) -> None:
         self.group, self._store = None, None

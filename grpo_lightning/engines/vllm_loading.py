@@ -1,4 +1,5 @@
-"""Inside vLLM: load a weight push and say what of vLLM's model it left unloaded (the ``vllm`` engine, gloo servers).
+"""Inside vLLM: load a weight push and say what of vLLM's model it left unloaded (the ``vllm`` engine; servers on the
+``gloo`` and ``checked_nccl`` transports).
 
 vLLM's loaders take the trainer's Hugging Face names and rename and stack them (q, k and v into one ``qkv_proj``,
 gate and up into ``gate_up_proj``). A weight they do not load is reported at WARNING at most (``reload_weights``;
@@ -16,9 +17,10 @@ Weights vLLM drops on purpose pass: they are none of its parameters (a tied outp
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 
@@ -120,3 +122,28 @@ def reload_checked(worker: Any, weights_iterator: Iterable[tuple[str, Tensor]]) 
     runner.reset_encoder_cache()
     runner.reset_mm_cache()
     return problem
+
+
+def receive_checked(
+    transfer: Any,
+    names: Sequence[str],
+    dtype_names: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    receive: Callable[[Tensor], Tensor],
+) -> None:
+    """A server's weight-transfer engine (``transfer``: vLLM's ``WeightTransferEngine``, inside the layerwise reload
+    its ``start_weight_update`` began) receives one push, tensor by tensor in the trainer's order (``receive`` fills
+    an empty tensor of the weight's dtype and shape and returns it on the model's device), and loads it checked:
+    a push that leaves any of the model's weights unloaded is refused with one line naming the first
+    (``load_checked``), every layer put back first so that none waits for the next push."""
+
+    def received() -> Iterator[tuple[str, Tensor]]:
+        for name, dtype_name, shape in zip(names, dtype_names, shapes, strict=True):
+            yield name, receive(torch.empty(list(shape), dtype=getattr(torch, dtype_name)))
+
+    problem = load_checked(transfer.model, received(), lora=transfer.vllm_config.lora_config is not None)
+    if problem is not None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(transfer.model, transfer.model_config)
+        raise ValueError(problem)

@@ -1,5 +1,6 @@
 """A vLLM plugin (entry point group ``vllm.general_plugins``): registers the ``gloo`` weight transport
-(``engines/vllm_gloo.py``) in every vLLM process of an environment where grpo_lightning is installed, and lets
+(``engines/vllm_gloo.py``, CPU servers) and ``checked_nccl`` (``engines/vllm_nccl.py``, GPU servers: vLLM's NCCL
+transport with every push checked) in every vLLM process of an environment where grpo_lightning is installed, and lets
 vLLM load vision-language models where torchvision is missing (``vision/vllm_compat.py``)."""
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ def register() -> None:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:  # a vLLM without weight transfer: nothing to add to
         return
-    try:
-        WeightTransferEngineFactory.register_engine(
-            "gloo", "grpo_lightning.engines.vllm_gloo", "GlooWeightTransferEngine"
-        )
-    except ValueError:  # already registered in this process
-        pass
+    for name, module, engine in (
+        ("gloo", "grpo_lightning.engines.vllm_gloo", "GlooWeightTransferEngine"),
+        ("checked_nccl", "grpo_lightning.engines.vllm_nccl", "CheckedNCCLWeightTransferEngine"),
+    ):
+        try:
+            WeightTransferEngineFactory.register_engine(name, module, engine)
+        except ValueError:  # already registered in this process
+            pass

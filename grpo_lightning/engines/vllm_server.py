@@ -53,7 +53,7 @@ from grpo_lightning.vision.vllm_weights import vllm_name
 
 SERVE_FLAGS = (
     "VLLM_SERVER_DEV_MODE=1 vllm serve <model> --logprobs-mode processed_logprobs --weight-transfer-config "
-    '\'{"backend": "nccl"}\' (gloo on CPU)'
+    '\'{"backend": "checked_nccl"}\' (gloo on CPU)'
 )
 
 # Every sampling setting a request does not set otherwise, neutral: a server started without

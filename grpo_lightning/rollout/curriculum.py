@@ -144,27 +144,33 @@ class CurriculumSampler:
     def _match(
         self, rollout: RolloutBatch, prompt_of: Callable[[int], str], group_size: int, reward_name: str | None
     ) -> tuple[Tensor, Tensor]:
-        """Dataset index (−1 when unknown) and pass rate of each group of the rollout."""
-        values = rollout.reward_columns.get(reward_name) if reward_name is not None else None
+        """Dataset index (−1 when unknown) and pass rate of each group of the rollout: over its trajectories (an
+        agent's session may make several rows), among those a reward scored (None, "not applicable", and an
+        unscorable trajectory are out of the rate, as out of the advantages' baseline; NaN, no update, where none
+        was scored)."""
+        trajectories = rollout.per_trajectory()
+        values = trajectories.reward_columns.get(reward_name) if reward_name is not None else None
         if values is None:
-            values = rollout.rewards.tolist()
+            unscorable = trajectories.unscorable
+            out = unscorable.tolist() if unscorable is not None else [False] * len(trajectories.rewards)
+            values = [None if left else value for value, left in zip(trajectories.rewards.tolist(), out)]
         threshold = self.config.success_threshold
-        solved = torch.tensor([float(v is not None and v >= threshold) for v in values])
-        rates = solved.view(-1, group_size).mean(-1)
+        solved = torch.tensor([math.nan if v is None else float(v >= threshold) for v in values])
+        rates = solved.view(-1, group_size).nanmean(-1)
         waiting: dict[str, list[int]] = {}
         for index in self._pending:
             waiting.setdefault(prompt_of(index), []).append(index)
         indices = []
-        for text in rollout.prompts[::group_size]:
+        for text in trajectories.prompts[::group_size]:
             candidates = waiting.get(text)
             indices.append(candidates.pop(0) if candidates else -1)
         return torch.tensor(indices, dtype=torch.long), rates
 
     def update(self, indices: Tensor, rates: Tensor) -> None:
-        """Blend observed pass ``rates`` into the prompts at ``indices`` (−1: skipped)."""
+        """Blend observed pass ``rates`` into the prompts at ``indices`` (−1 or a NaN rate: skipped)."""
         history = self.config.history
         for index, rate in zip(indices.tolist(), rates.tolist()):
-            if index < 0:
+            if index < 0 or math.isnan(rate):  # unknown, or no completion of its group was scored
                 continue
             old = float(self.pass_rates[index])
             self.pass_rates[index] = rate if math.isnan(old) else history * old + (1 - history) * rate

@@ -12,19 +12,25 @@ from grpo_lightning.vision.models import processor_of, vision_model_type
 
 def check_vision_run(tokenizer: Any, engine: Any, environment: Any) -> None:
     """For a vision-language model (its ``tokenizer`` carries a processor; nothing for a text model's), refuse an
-    engine that cannot give it its images (``takes_images``) and an agent environment (its agents talk to the
+    engine that cannot give it its images (``takes_images``) or the token types its forward reads
+    (``follows_token_types``), and an agent environment (its agents talk to the
     run's endpoint in text: they never see the images), and a multi-turn environment for a prefix language model
     (PaliGemma: ``vision/inputs.py: TOKEN_TYPE_RULES``). Multi-turn environments that answer in text
     (``rollout/multiturn.py``: the first prompt holds the images) and a rollout lag (the background process builds
     the vision-language model and its processor) work."""
     if processor_of(tokenizer) is None:
         return
-    if not getattr(engine, "takes_images", False):
+    if not engine.takes_images:
         raise ConfigError(
             f"data.engine: {engine.name} does not feed images to a vision-language model; set data.engine: "
             "transformers, vllm or vllm_server"
         )
     model_type = vision_model_type(tokenizer.name_or_path)
+    if token_type_rule(model_type) is not None and not engine.follows_token_types:
+        raise ConfigError(
+            f"data.engine: {engine.name} is not checked to sample {model_type} with the attention its forward reads "
+            "from token_type_ids (bidirectional over images or its prompt); set data.engine: transformers"
+        )
     if environment is not None and token_type_rule(model_type) == "prefix":
         raise ConfigError(
             f"data.environment: {model_type} is a prefix language model (its whole prompt attends both ways), and a "

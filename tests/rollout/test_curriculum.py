@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import yaml
 
 from grpo_lightning.cli import GRPOCLI
 from grpo_lightning.config import ConfigError
+from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.rollout.curriculum import (
     PREFERRED,
     TOO_EASY,
@@ -68,15 +68,31 @@ def test_in_band_prompts_dominate_once_rates_are_known():
     assert abs(share - 10 / 19) < 0.08  # 3.2σ of a share over 400 draws (statistical, seeded)
 
 
-def _rollout(prompts: list[str], solved: list[list[float]]) -> SimpleNamespace:
+def _rollout(prompts: list[str], solved: list[list[float | None]], rows: list[int] | None = None) -> RolloutBatch:
+    """A rollout of ``prompts``' groups whose trajectories' ``exact_answer`` are ``solved``; ``rows``: how many
+    rows each trajectory makes (an agent's session may make several), 1 each by default."""
     group = len(solved[0])
     values = [v for row in solved for v in row]
-    return SimpleNamespace(
-        prompts=[p for p in prompts for _ in range(group)],
-        reward_columns={"exact_answer": values},
-        rewards=torch.tensor(values),
-        metrics={},
+    rows = rows or [1] * len(values)
+
+    def per_row(items):
+        return [item for item, count in zip(items, rows) for _ in range(count)]
+
+    n = sum(rows)
+    batch = RolloutBatch(
+        prompt_ids=torch.ones(n, 1, dtype=torch.long),
+        prompt_mask=torch.ones(n, 1, dtype=torch.long),
+        completion_ids=torch.ones(n, 1, dtype=torch.long),
+        completion_mask=torch.ones(n, 1, dtype=torch.long),
+        truncated=torch.zeros(n, dtype=torch.bool),
+        rewards=torch.tensor(per_row([v or 0.0 for v in values])),
+        prompts=per_row([p for p in prompts for _ in range(group)]),
+        reward_columns={"exact_answer": per_row(values)},
     )
+    batch.unscorable = torch.tensor(per_row([v is None for v in values]))
+    if rows != [1] * len(values):
+        batch.trajectory = torch.tensor(per_row(list(range(len(values)))))
+    return batch
 
 
 def test_observe_blends_rates_matches_groups_by_prompt_and_logs():
@@ -98,6 +114,24 @@ def test_observe_blends_rates_matches_groups_by_prompt_and_logs():
     sampler._pending = [drawn[1]]
     sampler.observe(_rollout([texts[drawn[1]]], [[1, 1, 1, 1]]), lambda i: texts[i], 4, "exact_answer")
     assert sampler.pass_rates[drawn[1]] == pytest.approx(0.625)
+
+
+@pytest.mark.parametrize("reward", ["exact_answer", None])  # the accuracy reward's column, or the total
+def test_pass_rates_are_over_scored_trajectories_not_rows(reward):
+    """An agent's session may make several rows, and a reward may abstain (None): a group's pass rate is the share
+    of its trajectories a reward scored that solved it (before: taken over rows, which put one session's rows into
+    the next group and matched groups to the wrong prompts; None counted as unsolved; a group no reward scored
+    counted as never solved)."""
+    texts = ["p0", "p1", "p2"]
+    sampler = CurriculumSampler(CurriculumConfig(history=0.5), seed=0)
+    drawn = sampler.draw(3, 3)
+    solved = {drawn[0]: [1, None, 1, 0], drawn[1]: [0, 1, 1, 1], drawn[2]: [None, None, None, None]}
+    rows = [3, 1, 1, 2, 1, 1, 1, 1, 2, 1, 1, 1]  # the first session of each of the first two groups: several rows
+    rollout = _rollout([texts[i] for i in drawn], [solved[i] for i in drawn], rows)
+    sampler.observe(rollout, lambda i: texts[i], 4, reward)
+    assert sampler.pass_rates[drawn[0]].item() == pytest.approx(2 / 3)  # 2 of the 3 scored
+    assert sampler.pass_rates[drawn[1]].item() == 0.75
+    assert math.isnan(sampler.pass_rates[drawn[2]])  # nothing scored: no rate yet
 
 
 def test_bad_bounds_are_refused():

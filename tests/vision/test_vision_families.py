@@ -17,6 +17,8 @@ import grpo_lightning.vision.inputs as vision_inputs
 from grpo_lightning.config import ConfigError
 from grpo_lightning.engines.base import SamplingParams
 from grpo_lightning.engines.hf import TransformersEngine
+from grpo_lightning.engines.vllm import VLLMEngine
+from grpo_lightning.engines.vllm_server import VLLMServerEngine
 from grpo_lightning.environments import ToolEnvironment
 from grpo_lightning.models.build import load_tokenizer
 from grpo_lightning.models.logprobs import completion_logprobs
@@ -195,3 +197,15 @@ def test_what_a_prefix_language_model_cannot_do_is_refused_before_training(tiny_
     with pytest.raises(ConfigError, match=r"^data.environment: paligemma is a prefix language model"):
         check_vision_run(tokenizer, TransformersEngine(), environment)
     check_vision_run(load_tokenizer(str(tiny_vlms["gemma3"])), TransformersEngine(), environment)
+
+
+@pytest.mark.parametrize("engine_class", [VLLMEngine, VLLMServerEngine])
+@pytest.mark.parametrize("family", ["gemma3", "paligemma"])
+def test_an_engine_not_checked_to_follow_token_types_is_refused_before_training(tiny_vlms, family, engine_class):
+    """vLLM's engines are not checked to sample Gemma 3 / PaliGemma with the attention their forward reads from
+    ``token_type_ids`` (``RolloutEngine.follows_token_types``): refused in one line, before any engine starts (the
+    declaration is the class's, read without vLLM installed)."""
+    engine = engine_class.__new__(engine_class)
+    with pytest.raises(ConfigError, match=rf"^data.engine: {engine.name} is not checked to sample {family} "):
+        check_vision_run(load_tokenizer(str(tiny_vlms[family])), engine, None)
+    check_vision_run(load_tokenizer(str(tiny_vlms["qwen2_vl"])), engine, None)  # a model without token types
