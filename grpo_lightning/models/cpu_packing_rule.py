@@ -22,8 +22,8 @@ instruction set would be wrong somewhere. Hence:
   packed only where packing wins by ``MARGIN``, reorder included: for decoding steps one reorder per rollout
   against its steps' products, for a pass one reorder per pass against the products over its positions (from the
   ``PASS_ROWS``-row timing; passes below ``PASS_ROWS`` positions are never packed). A measurement whose minima do
-  not repeat (other processes had the cores) decides plain products, and is cached as such (delete the file to
-  measure again): a later process must not take another path than the first.
+  not repeat in ``MEASUREMENTS`` tries (other processes had the cores) decides plain products, and is cached as
+  such (delete the file to measure again): a later process must not take another path than the first.
 - **Only where oneDNN's float32 kernels were measured**: x86 with AVX2 or AVX-512 (without AMX). Anything else
   (ARM, AVX-512 with AMX, an unknown instruction set) keeps plain products: the safe default.
 - **Remembered**: the timings are cached in the user's cache folder (``$XDG_CACHE_HOME`` or ``~/.cache``, under
@@ -91,6 +91,7 @@ BUDGET_S = 0.4  # one measurement's time, once its ``MIN_ROUNDS`` are done
 MIN_ROUNDS, MAX_ROUNDS = 3, 12
 REPEATABLE = 1.1  # a minimum counts once a second reading comes within this factor of it
 LOCK_WAIT_S = 30.0
+MEASUREMENTS = 3  # tries before a measurement that does not repeat decides plain products
 
 
 class Timing(NamedTuple):
@@ -231,7 +232,10 @@ def _cached_or_measured(
         timings = None if path is None else _read(path, key)  # another process measured while this one waited
         if timings is not None:
             return timings
-        timings = measure(groups, rows)
+        for _ in range(MEASUREMENTS):  # a reading disturbed once (a core woken late, a page fault) is read again
+            timings = measure(groups, rows)
+            if timings is not None:
+                break
         if timings is None:  # remembered as "never pays": every later process (a resumed run) takes the same path
             log.info(
                 "CPU packing: timings not repeatable (a busy machine?): plain products, remembered in %s (delete "

@@ -216,19 +216,19 @@ def test_an_unwritable_cache_folder_decides_without_caching(calibration, monkeyp
 
 @needs_onednn
 def test_a_measurement_that_does_not_repeat_keeps_products_plain_and_is_remembered(calibration, tmp_path):
-    """On a busy machine the readings do not repeat (``measure`` gives None): plain products, measured once, and
-    cached as such, so that a later process (a resumed run) takes the same path and rounds the same, even where a
+    """On a busy machine the readings do not repeat (``measure`` gives None, ``MEASUREMENTS`` times): plain products,
+    and cached as such, so that a later process (a resumed run) takes the same path and rounds the same, even where a
     quieter moment would have measured packing to pay."""
     model = llama()
     calibration.timings = None
     with torch.no_grad():
         assert decode_plan(model, rows=4, steps=64) is None
         assert decode_plan(model, rows=4, steps=64) is None
-        assert len(calibration.calls) == 1 and len(cache_files(tmp_path)) == 1
+        assert len(calibration.calls) == rule.MEASUREMENTS and len(cache_files(tmp_path)) == 1  # tried, then decided
         rule.forget()  # a new process, on a quiet machine
         calibration.timings = PAYS
         assert decode_plan(model, rows=4, steps=64) is None
-    assert len(calibration.calls) == 1
+    assert len(calibration.calls) == rule.MEASUREMENTS
     lines = rule.describe()
     assert lines and all("not repeatable, plain" in line for line in lines)
 
