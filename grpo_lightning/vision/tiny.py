@@ -117,28 +117,23 @@ def _seeded(seed: int, make: type[PreTrainedModel], config: object) -> PreTraine
         return make(config)
 
 
-def _qwen2_vl(tokenizer: PreTrainedTokenizerFast, seed: int) -> tuple[object, PreTrainedModel]:
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+def _qwen_vl(
+    tokenizer: PreTrainedTokenizerFast, seed: int, family: str, vision_config: dict[str, object]
+) -> tuple[object, PreTrainedModel]:
+    """A tiny Qwen2-VL or Qwen2.5-VL (``family``) with ``vision_config`` for its tower: M-RoPE, the Qwen vision
+    tokens, 56 to 112 pixels a side."""
+    import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from grpo_lightning.vision.processors import image_only_processor
 
+    names = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}[family]
     ids = tokenizer.convert_tokens_to_ids
     # M-RoPE: the head's 16 rotary frequency pairs split over (time, height, width).
     rope = {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 10000.0}
-    config = Qwen2VLConfig(
+    config = getattr(transformers, f"{names}Config")(
         text_config=_text_config(tokenizer, rope_parameters=rope),
-        vision_config={
-            "depth": 1,
-            "embed_dim": 32,
-            "hidden_size": _HIDDEN,
-            "num_heads": 2,
-            "mlp_ratio": 2,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "in_channels": 3,
-        },
+        vision_config=vision_config,
         image_token_id=ids("<|image_pad|>"),
         video_token_id=ids("<|video_pad|>"),
         vision_start_token_id=ids("<|vision_start|>"),
@@ -147,8 +142,23 @@ def _qwen2_vl(tokenizer: PreTrainedTokenizerFast, seed: int) -> tuple[object, Pr
     )
     # 56 to 112 pixels a side: 4 to 16 image tokens (28-pixel cells after the 2 x 2 merge).
     images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, merge_size=2)
-    processor = image_only_processor("Qwen2VLProcessor", images, tokenizer, chat_template("qwen2_vl"))
-    return processor, _seeded(seed, Qwen2VLForConditionalGeneration, config)
+    processor = image_only_processor(f"{names}Processor", images, tokenizer, chat_template(family))
+    return processor, _seeded(seed, getattr(transformers, f"{names}ForConditionalGeneration"), config)
+
+
+def _qwen2_vl(tokenizer: PreTrainedTokenizerFast, seed: int) -> tuple[object, PreTrainedModel]:
+    tower = {
+        "depth": 1,
+        "embed_dim": 32,
+        "hidden_size": _HIDDEN,
+        "num_heads": 2,
+        "mlp_ratio": 2,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "in_channels": 3,
+    }
+    return _qwen_vl(tokenizer, seed, "qwen2_vl", tower)
 
 
 def _llava(tokenizer: PreTrainedTokenizerFast, seed: int) -> tuple[object, PreTrainedModel]:
@@ -207,37 +217,20 @@ def _idefics3(tokenizer: PreTrainedTokenizerFast, seed: int) -> tuple[object, Pr
 
 
 def _qwen2_5_vl(tokenizer: PreTrainedTokenizerFast, seed: int) -> tuple[object, PreTrainedModel]:
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from grpo_lightning.vision.processors import image_only_processor
-
-    ids = tokenizer.convert_tokens_to_ids
-    rope = {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 10000.0}
-    config = Qwen2_5_VLConfig(
-        text_config=_text_config(tokenizer, rope_parameters=rope),
-        vision_config={
-            "depth": 2,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "out_hidden_size": _HIDDEN,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "window_size": 56,  # 2 x 2 merged cells a window: an image of 112 pixels has several
-            "fullatt_block_indexes": [1],  # block 0 attends within windows, block 1 over the whole image
-            "in_channels": 3,
-        },
-        image_token_id=ids("<|image_pad|>"),
-        video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"),
-        vision_end_token_id=ids("<|vision_end|>"),
-        tie_word_embeddings=True,
-    )
-    images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, merge_size=2)
-    processor = image_only_processor("Qwen2_5_VLProcessor", images, tokenizer, chat_template("qwen2_5_vl"))
-    return processor, _seeded(seed, Qwen2_5_VLForConditionalGeneration, config)
+    tower = {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": _HIDDEN,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 56,  # 2 x 2 merged cells a window: an image of 112 pixels has several
+        "fullatt_block_indexes": [1],  # block 0 attends within windows, block 1 over the whole image
+        "in_channels": 3,
+    }
+    return _qwen_vl(tokenizer, seed, "qwen2_5_vl", tower)
 
 
 def _gemma_text(tokenizer: PreTrainedTokenizerFast) -> dict[str, object]:
