@@ -96,6 +96,9 @@ def run(tmp_path_factory):
             cli.trainer.fit(cli.model, datamodule=cli.datamodule)
         finally:
             wandb.finish()
+            # W&B's process-wide settings were read from this run's environment (no credentials, its own folders):
+            # dropped, so that a later test of this process starts from its own (an offline logger tried to log in)
+            wandb.teardown()
     log = load_run(root / "runs", wait_s=60)  # W&B's service may still be writing the file after finish()
     assert log.finished
     return {"root": root, "trainer": cli.trainer, "console": console.console.file.getvalue(), "log": log}
