@@ -289,7 +289,7 @@ def describe() -> list[str]:
     reorder pays."""
     lines = []
     for name, timings in _MEASURED.items():
-        if timings is NOT_MEASURED or timings == NOT_MEASURED:
+        if timings == NOT_MEASURED:
             lines.append(f"{_LABELS[name]}: not repeatable, plain")
             continue
         parts = []
