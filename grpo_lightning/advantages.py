@@ -351,3 +351,9 @@ def passk_advantages(
     elif scale == "batch":
         adv = adv / ((batch_std if batch_std is not None else r[valid.reshape(-1)].std(unbiased=unbiased)) + eps)
     return adv.reshape(-1)
+
+
+def distillation_advantages(gap: Tensor, mask: Tensor, weight: float) -> Tensor:
+    """``[N, T]`` per-token advantages λ · (log π_T − log π_S) of the sampled tokens (``gap``), 0 outside ``mask``:
+    on-policy distillation's (``model.teacher``, ``grpo_lightning/distillation.py``)."""
+    return weight * gap * mask

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import importlib
 import inspect
 import os
 import re
@@ -36,17 +35,17 @@ from grpo_lightning.config_checks import (
     derive_accumulation,
     read_checkpoint_hparams,
 )
+from grpo_lightning.distillation import TeacherConfig
 from grpo_lightning.errors import UserFacingError
 from grpo_lightning.fit_summary import evaluate_arguments, print_fit_summary
 from grpo_lightning.lora import LoraConfig
-from grpo_lightning.models.teacher import TeacherConfig
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.module import GRPOModule
+from grpo_lightning.plugins import load_plugin
 from grpo_lightning.renamed_keys import PARSER_MODE, migrate_command_line
 from grpo_lightning.rewards import RewardSpec
 from grpo_lightning.rollout.curriculum import CurriculumConfig
 from grpo_lightning.rollout.datamodule import RolloutDataModule
-from grpo_lightning.sft import SFTDataModule, SFTModule
 
 # The settings a GRPO run needs from the Trainer: a fresh rollout every epoch, and no DistributedSampler
 # re-splitting a rollout that each rank already built for itself.
@@ -59,6 +58,10 @@ TRAINER_DEFAULTS = {
     # spend more time evaluating than training. A config's own value wins.
     "check_val_every_n_epoch": 10,
 }
+
+# The subcommands an integration adds in front of Lightning's: ``python -m grpo_lightning sft fit ...`` runs the CLI
+# class at the path (imported then, and only then: ``plugins.load_plugin``).
+SUBCOMMANDS: dict[str, str] = {"sft": "grpo_lightning.sft:SFTCLI"}
 
 # ckpt_path values that Lightning resolves itself (not file paths).
 _SPECIAL_CKPT_PATHS = {"last", "best", "hpc", "registry"}
@@ -87,6 +90,11 @@ class GRPOCLI(LightningCLI):
     ``AtomicCheckpointIO`` plugin, unless its config has its own; ``trainer.accumulate_grad_batches`` follows from
     ``data.mini_batch_size / data.micro_batch_size`` when the config leaves it unset.
     """
+
+    epochs_are_rounds: bool = True
+    """Each epoch is one rollout round: the accumulation follows from the batch sizes (``derive_accumulation``) and
+    the fit's summary counts rounds. A subcommand's CLI (``SUBCOMMANDS``: SFT's, epochs over a dataset) sets it
+    False."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if not args and "model_class" not in kwargs:
@@ -124,7 +132,7 @@ class GRPOCLI(LightningCLI):
         config = self.config.get(str(self.subcommand), self.config)
         keep_config_model_settings(self, config)
         check_setting_ranges(config)
-        if not isinstance(self, SFTCLI):
+        if self.epochs_are_rounds:
             derive_accumulation(config)
         place_run_folders(config.get("trainer"))
 
@@ -179,26 +187,7 @@ class GRPOCLI(LightningCLI):
         ``last.ckpt`` is and the commands that evaluate and export it (``fit_summary``)."""
         config = self.config.get(str(self.subcommand), self.config)
         arguments = evaluate_arguments(self.command_line, config.get("config") or [])
-        print_fit_summary(self.trainer, arguments, sft=isinstance(self, SFTCLI))
-
-
-class SFTCLI(GRPOCLI):
-    """The CLI of ``python -m grpo_lightning sft``: ``SFTModule`` and ``SFTDataModule``, with Lightning's usual
-    Trainer defaults (GRPO's one-rollout-per-epoch settings do not apply to SFT)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if not args and "model_class" not in kwargs:
-            args = (SFTModule, SFTDataModule)
-        kwargs.setdefault("trainer_defaults", {"num_sanity_val_steps": 0})
-        super().__init__(*args, **kwargs)
-
-    def default_callbacks(self, trainer: Any, callbacks: list[Any]) -> list[Any]:
-        """Unless ``trainer.enable_checkpointing`` is false, a ``ModelCheckpoint`` keeping ``last.ckpt``."""
-        checkpoint = default_checkpoint(trainer, callbacks, rounds=False)
-        return [checkpoint] if checkpoint is not None else []
-
-    def before_fit(self) -> None:
-        pass
+        print_fit_summary(self.trainer, arguments, sft=not self.epochs_are_rounds)
 
 
 def check_ckpt_file(command_line: list[str] | None) -> None:
@@ -245,7 +234,7 @@ def _class_of(item: Any) -> type | None:
         return None
     module, _, name = path.rpartition(".")
     try:
-        return getattr(importlib.import_module(module), name)
+        return load_plugin(f"{module}:{name}")
     except (ImportError, AttributeError):  # reported when the class is instantiated
         return None
 
@@ -381,8 +370,8 @@ def main(args: list[str] | None = None) -> None:
     """
     argv = sys.argv[1:] if args is None else list(args)
     cli_class = GRPOCLI
-    if argv[:1] == ["sft"]:
-        cli_class, argv = SFTCLI, argv[1:]
+    if argv and argv[0] in SUBCOMMANDS:  # an integration's subcommand (``sft``): its own CLI class
+        cli_class, argv = load_plugin(SUBCOMMANDS[argv[0]]), argv[1:]
     try:
         if args is None:  # the process's own command line: LightningCLI reads it (given both, it warns)
             sys.argv[1:] = argv
@@ -400,3 +389,10 @@ def main(args: list[str] | None = None) -> None:
             print(f"error: {parse_error_line(str(err))}", file=sys.stderr)
             sys.exit(2)
         raise
+
+
+def __getattr__(name: str) -> type[GRPOCLI]:
+    # ``from grpo_lightning.cli import SFTCLI`` as before: SFT's CLI class, imported when asked for.
+    if name == "SFTCLI":
+        return load_plugin(SUBCOMMANDS["sft"])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
+from grpo_lightning.advantage_registry import AdvantageEntry, check_advantage_settings
 from grpo_lightning.errors import ConfigError as ConfigError  # re-exported: its home before errors.py
 from grpo_lightning.losses import GENERIC_SETTINGS, PolicyLoss, SettingOutOfRange, check_policy_loss
 from grpo_lightning.losses.entropy import EntropyControl, entropy_settings_problem
-
-if TYPE_CHECKING:
-    from grpo_lightning.engines.base import SamplingParams
-
 
 Aggregation = Literal["sequence_mean", "token_mean", "micro_batch_token_mean", "constant", "sequence_sum"]
 
@@ -38,21 +35,6 @@ class SamplingConfig:
     """0 disables top-k filtering."""
     generation_batch_size: int = 256
     """Completions decoded at once; bounds generation memory independently of the optimisation batch."""
-
-    def params(self, **changes: Any) -> SamplingParams:
-        """These settings as an engine's ``SamplingParams`` (with ``changes``: ``group_size``, ``greedy``, ...)."""
-        from grpo_lightning.engines.base import SamplingParams  # engines/ imports this module's ConfigError
-
-        values = {
-            "group_size": self.group_size,
-            "max_new_tokens": self.max_new_tokens,
-            "min_new_tokens": self.min_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "batch_size": self.generation_batch_size,
-        }
-        return SamplingParams(**{**values, **changes})
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
@@ -210,8 +192,9 @@ class ObjectiveConfig:
 
 @dataclass
 class AdvantageConfig:
-    """How a group's rewards become advantages (``data.advantage``): ``grpo_lightning.advantages``
-    (``group_advantages``, ``passk_advantages``, GDPO's ``decoupled_sum`` and ``batch_normalized``)."""
+    """How a group's rewards become advantages (``data.advantage``): the estimator and the aggregation of several
+    rewards named here are entries of ``grpo_lightning.advantage_registry`` (built in: ``grpo``, ``passk``;
+    ``sum_then_normalize``, GDPO's ``normalize_then_sum``), whose formulas are ``grpo_lightning.advantages``."""
 
     baseline: Literal["mean", "rloo"] = "mean"
     """``mean`` of the group (GRPO), or ``rloo``: the mean of the other G - 1 completions."""
@@ -222,13 +205,15 @@ class AdvantageConfig:
     correction, as TRL and verl compute it); at G = 4 the sample std is √(4/3) ≈ 1.155× the population one."""
     eps: float = 1e-4
     """Added to the std."""
-    estimator: Literal["grpo", "passk"] = "grpo"
+    estimator: str = "grpo"
     """``grpo``: the group-relative advantage ``baseline`` and ``scale`` describe; ``passk``: verl's ``grpo_passk``
     (Tang et al. 2025), which trains for the best of ``k`` attempts: in every k-subset of a group only the best
-    completion gains, by how much it beats the best of the others (``scale`` and ``std`` then divide as above)."""
+    completion gains, by how much it beats the best of the others (``scale`` and ``std`` then divide as above); or
+    one registered with ``register_advantage_estimator``, or an import path ``package.module:function``. A plain
+    ``str`` (not a ``Literal``): a registered name is checked against the registry here, not refused by the parser."""
     k: int | None = None
     """The attempts of ``estimator: passk``, 2 ≤ k ≤ ``data.sampling.group_size``; null: the group size (verl's)."""
-    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    multi_objective_aggregation: str = "sum_then_normalize"
     """With several rewards (TRL 1.16's setting): ``sum_then_normalize`` normalises their weighted sum (GRPO);
     ``normalize_then_sum`` normalises each reward within its group, sums them with their weights and normalises the
     sum over the whole batch (GDPO, Liu et al. 2026), with ``std`` and ``eps`` at both steps."""
@@ -242,56 +227,33 @@ class AdvantageConfig:
             raise ConfigError(f"data.advantage.std must be population or sample (got {self.std!r})")
         if self.eps <= 0:
             raise ConfigError(f"data.advantage.eps must be > 0 (got {self.eps})")
-        self._check_estimators()
+        self._check_entries(None)
 
-    def _check_estimators(self) -> None:
-        """``estimator``, ``k`` and ``multi_objective_aggregation``, and what they do not combine with."""
-        if self.estimator not in ("grpo", "passk"):
-            raise ConfigError(f"data.advantage.estimator must be grpo or passk (got {self.estimator!r})")
-        if self.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
-            raise ConfigError(
-                "data.advantage.multi_objective_aggregation must be sum_then_normalize or normalize_then_sum "
-                f"(got {self.multi_objective_aggregation!r})"
-            )
-        if self.k is not None and self.estimator != "passk":
-            raise ConfigError(f"data.advantage.k is read by estimator: passk only; leave it null (got {self.k!r})")
-        if self.k is not None and (type(self.k) is not int or self.k < 2):
-            raise ConfigError(
-                f"data.advantage.k must be an integer >= 2 (got {self.k!r}): with one attempt there is no best of "
-                "the others to beat (pass@1 is estimator: grpo)"
-            )
-        if self.estimator == "passk" and self.baseline != "mean":
-            raise ConfigError(
-                "data.advantage.baseline: rloo does not apply to estimator: passk, whose baseline is the best of "
-                "the other attempts; leave baseline: mean"
-            )
-        if self.multi_objective_aggregation == "normalize_then_sum" and self.estimator == "passk":
-            raise ConfigError(
-                "data.advantage.multi_objective_aggregation: normalize_then_sum does not combine with estimator: "
-                "passk (pass@k ranks one reward per completion); use sum_then_normalize"
-            )
-        gdpo = self.multi_objective_aggregation == "normalize_then_sum"
-        if gdpo and (self.scale, self.baseline) != ("group", "mean"):
-            raise ConfigError(
-                "data.advantage.multi_objective_aggregation: normalize_then_sum (GDPO) fixes its own baseline and "
-                "scale (each reward's group mean and std, then the batch's, as TRL does whatever its scale_rewards); "
-                f"leave baseline: mean and scale: group (got {self.baseline}, {self.scale})"
-            )
+    @property
+    def settings(self) -> dict[str, Any]:
+        """Every field, as the registry's entries read them (``advantage_registry.estimate_advantages``)."""
+        return asdict(self)
+
+    def _check_entries(self, group_size: int | None) -> tuple[AdvantageEntry, AdvantageEntry]:
+        """The estimator and the aggregation, looked up and checked against the settings (one-line ``ConfigError``:
+        an unknown name, with the registered ones; a setting neither reads; their own rules)."""
+        defaults = {f.name: f.default for f in fields(self)}
+        try:
+            return check_advantage_settings(self.settings, defaults, group_size)
+        except ValueError as err:
+            raise ConfigError(f"data.advantage.{err}") from None
 
     def check_round(self, group_size: int, process_rewards: bool) -> None:
         """Refuse, before training, what needs the group size or the rewards to see (``RolloutCollector`` asks)."""
-        if self.estimator == "passk" and (self.k or group_size) > group_size:
-            raise ConfigError(
-                f"data.advantage.k must be at most data.sampling.group_size={group_size} (got {self.k}): pass@k "
-                "draws its k attempts from a group's completions"
-            )
-        if process_rewards and (self.estimator, self.multi_objective_aggregation) != ("grpo", "sum_then_normalize"):
-            gdpo = self.multi_objective_aggregation == "normalize_then_sum"
-            what = "multi_objective_aggregation: normalize_then_sum" if gdpo else "estimator: passk"
-            raise ConfigError(
-                f"data.advantage.{what} takes outcome rewards only, and data.rewards has a process (step) reward; "
-                "use the defaults (estimator: grpo, sum_then_normalize) with process rewards"
-            )
+        estimator, aggregation = self._check_entries(group_size)
+        if process_rewards:
+            for entry in (aggregation, estimator):
+                if not entry.process_rewards:
+                    raise ConfigError(
+                        f"data.advantage.{entry.field}: {entry.name} takes outcome rewards only, and data.rewards has "
+                        "a process (step) reward; use the defaults (estimator: grpo, sum_then_normalize) with process "
+                        "rewards"
+                    )
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Settings pickled in a checkpoint written before a field existed get its default.

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from grpo_lightning.config import ConfigError
+from grpo_lightning.update_plan import UpdatePlan, plan_update
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -22,7 +23,6 @@ log = logging.getLogger(__name__)
 
 # Settings that decide the shape of the weights: a checkpoint made with other values cannot be loaded.
 STRUCTURAL_HPARAMS = ("model_name_or_path", "tiny_model", "lora")
-_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 
 # ------------------------------------------------------------------------------------------ numeric settings
@@ -83,34 +83,30 @@ def check_ranges(section: str, settings: Mapping[str, Any] | Any) -> None:
             raise ConfigError(f"{name} must be {must_be} (got {settings[key]!r})")
 
 
-def check_batch_sizes(rollout: int, mini: int, micro: int, accumulate: int) -> int:
+def check_batch_sizes(plan: UpdatePlan, accumulate: int) -> int:
     """The rollout splits into mini-batches (optimizer steps) of micro-batches (forwards), one accumulation each.
 
-    Returns the gradient accumulation the sizes imply, ``mini / micro``. ``accumulate`` (the Trainer's) must equal
+    Returns the gradient accumulation the plan implies, ``mini / micro``. ``accumulate`` (the Trainer's) must equal
     it, or be 1 (Lightning's default: unset), which the caller then replaces by it.
     """
-    if rollout % mini:
-        raise ConfigError(
-            f"data.mini_batch_size ({mini}) must divide the rollout of prompts_per_round × group_size = {rollout}"
-        )
-    if mini % micro:
-        raise ConfigError(f"data.micro_batch_size ({micro}) must divide data.mini_batch_size ({mini})")
-    if accumulate not in (1, mini // micro):
+    plan.check()
+    wanted = plan.micro_batches_per_step
+    if accumulate not in (1, wanted):
         raise ConfigError(
             f"trainer.accumulate_grad_batches = {accumulate} contradicts data.mini_batch_size / "
-            f"data.micro_batch_size = {mini // micro}: leave it unset (it is derived) or make them agree"
+            f"data.micro_batch_size = {wanted}: leave it unset (it is derived) or make them agree"
         )
-    return mini // micro
+    return wanted
 
 
-def check_accumulation(accumulate: int, *, rollout: int, mini: int, micro: int) -> None:
-    """The Trainer's gradient accumulation against the batch sizes (``check_batch_sizes``), before training.
+def check_accumulation(accumulate: int, plan: UpdatePlan) -> None:
+    """The Trainer's gradient accumulation against the round's plan (``check_batch_sizes``), before training.
 
     ``mini / micro`` micro-batches make an optimizer step; Lightning steps every ``accumulate_grad_batches``. The
     data side checks they agree and never sets the Trainer's setting: the CLI derives it from the batch sizes when
     the config leaves it unset (``derive_accumulation``); a ``Trainer`` built in Python is given it.
     """
-    wanted = check_batch_sizes(rollout, mini, micro, accumulate)
+    wanted = check_batch_sizes(plan, accumulate)
     if accumulate != wanted:
         raise ConfigError(
             f"trainer.accumulate_grad_batches = {accumulate}, but data.mini_batch_size / data.micro_batch_size = "
@@ -131,11 +127,15 @@ def derive_accumulation(config: Any) -> None:
         from grpo_lightning.config import SamplingConfig
 
         group_size = SamplingConfig().group_size
-    rollout = data.get("prompts_per_round") * group_size
-    mini = data.get("mini_batch_size") or rollout
-    micro = data.get("micro_batch_size") or mini
+    plan = plan_update(
+        prompts_per_round=data.get("prompts_per_round"),
+        group_size=group_size,
+        num_iterations=data.get("num_iterations") or 1,
+        mini_batch_size=data.get("mini_batch_size"),
+        micro_batch_size=data.get("micro_batch_size"),
+    )
     accumulate = trainer.get("accumulate_grad_batches") or 1
-    wanted = check_batch_sizes(rollout, mini, micro, accumulate)
+    wanted = check_batch_sizes(plan, accumulate)
     if accumulate != wanted:
         log.info("trainer.accumulate_grad_batches = %d (data.mini_batch_size / data.micro_batch_size)", wanted)
         trainer["accumulate_grad_batches"] = wanted
@@ -200,14 +200,6 @@ def check_setting_ranges(config: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------------- data
-def config_context_length(config: Any) -> int | None:
-    """The longest sequence (prompt + completion) a model config allows; None when it does not say."""
-    config = getattr(config, "text_config", None) or config  # multimodal configs nest the language model's
-    for key in _CONTEXT_KEYS:
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 def check_prompts(

@@ -8,7 +8,6 @@ result equals the single-process one whatever the shard sizes.
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,6 +17,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from grpo_lightning.config import ConfigError
+from grpo_lightning.plugins import load_plugin
 
 AnswerFn = Callable[[str], "str | None"]
 
@@ -67,7 +67,7 @@ def resolve_answer_fn(spec: str | None) -> AnswerFn:
         return default_answer
     module_name, _, attr = spec.rpartition(".")
     try:
-        fn = getattr(importlib.import_module(module_name), attr) if module_name else None
+        fn = load_plugin(f"{module_name}:{attr}") if module_name else None
     except (ImportError, AttributeError) as err:
         raise ConfigError(f"data.eval.answer_fn {spec!r} cannot be imported: {err}") from None
     if not callable(fn):

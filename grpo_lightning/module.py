@@ -2,7 +2,9 @@
 
 The rollout (sampling, rewards, advantages) is the data side's (``rollout/collector.py``); this module gives it the
 policy side (``rollout/policy_side.py: PolicySide``: the policy and tokenizer, the rollout context, π_old's and
-π_ref's log-probs) and trains on what it serves: ``training_step`` → ``grpo_lightning.losses.grpo_loss``. β and
+π_ref's log-probs) and trains on what it serves: ``training_step`` → ``grpo_lightning.losses.grpo_loss``, micro-batch
+by micro-batch of the round's ``UpdatePlan`` (``update_plan.py``), which arrives with the round's metrics through
+``receive_round`` (logged once per round). β and
 π_ref can change during a run through ``set_beta`` and ``update_reference`` (``callbacks/kl.py``), an adaptive
 entropy coefficient at each optimizer step (``entropy_control``).
 """
@@ -21,20 +23,20 @@ from transformers import PreTrainedModel
 
 from grpo_lightning.config import ConfigError, ObjectiveConfig
 from grpo_lightning.config_checks import check_checkpoint_fits, check_ranges
+from grpo_lightning.distillation import TeacherConfig, build_teacher, check_teacher_run
 from grpo_lightning.evaluation import HeldOutMetrics
 from grpo_lightning.guard import NonFiniteGuard, nonfinite_inputs, nonfinite_terms
 from grpo_lightning.lora import LoraConfig, is_peft_model
 from grpo_lightning.losses import STEP_NORMALISED, grpo_loss
 from grpo_lightning.metrics import merge_rank_metrics
-from grpo_lightning.models.build import load_tokenizer
+from grpo_lightning.models.build import load_tokenizer, model_modality
 from grpo_lightning.models.logprobs import DEFAULT_LOGPROB_CHUNK, completion_logprobs
 from grpo_lightning.models.policy_and_reference import attached_trainer, build_policy, context_length, sampling_context
-from grpo_lightning.models.teacher import TeacherConfig, check_teacher_run, make_teacher
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.optimizer import adamw_with_warmup
 from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.strategies import gather_per_rank
-from grpo_lightning.vision.models import processor_of
+from grpo_lightning.update_plan import Place, UpdatePlan
 
 # Lightning loads checkpoints with ``torch.load(weights_only=True)``: the settings objects saved with the
 # hyperparameters must be allowed explicitly, or every resume fails to unpickle them.
@@ -120,14 +122,18 @@ class GRPOModule(LightningModule):
         if max_nonfinite_skips < 1:
             raise ConfigError(f"model.max_nonfinite_skips must be >= 1 (got {max_nonfinite_skips})")
         self.nonfinite = NonFiniteGuard(max_nonfinite_skips)
-        self.teacher = make_teacher(teacher) if teacher is not None else None
-        self.tokenizer = load_tokenizer(model_name_or_path)
+        self.teacher = build_teacher(teacher) if teacher is not None else None  # the plug-in: models/teacher.py
+        self.modality = model_modality(model_name_or_path)  # what rows add to their ids (grpo_lightning/modality.py)
+        self.tokenizer = load_tokenizer(model_name_or_path, modality=self.modality)
         self.policy: PreTrainedModel | None = None
         self.ref: PreTrainedModel | None = None
         self.beta = self.objective.beta  # the KL weight now: KLController may adapt it (``set_beta``)
         self.entropy_control = self.objective.entropy_control()  # the entropy bonus's c now (may adapt)
         self.reference_moved = False  # π_ref differs from the starting model (``update_reference``): saved then
         self.evaluator = HeldOutMetrics()
+        self.plan: UpdatePlan | None = None  # the rounds' update plan, handed over with each round (receive_round)
+        self.place: Place | None = None  # where the micro-batch in training stands in it
+        self._round_metrics: dict[str, float] | None = None  # the latest round's rollout metrics, until logged
 
     # ----------------------------------------------------------------------------------------- models
     def configure_model(self) -> None:
@@ -149,9 +155,10 @@ class GRPOModule(LightningModule):
             gradient_checkpointing=self.hparams.gradient_checkpointing,
             lora=self.lora,
             freeze_vision_tower=self.hparams.freeze_vision_tower,
+            modality=self.modality,
         )
         if self.teacher is not None:  # not a child module: its own device, never in checkpoints
-            self.teacher.build(self.policy, self.tokenizer)
+            self.teacher.build(self.policy, self.tokenizer, self.modality)
 
     @property
     def distillation_weight(self) -> float | None:
@@ -170,7 +177,8 @@ class GRPOModule(LightningModule):
         temperature = self.teacher_temperature(batch.temperature)
         options = {"temperature": temperature, "micro_batch_size": rows, "chunk_size": chunk}
         options.update(lean=self.hparams.lean_forward, pack_tokens=batch.pack_tokens)
-        return self.teacher.logprobs(*args, **options, vision=batch.vision or None)  # a VLM student's images
+        # The student's rows' inputs (a vision-language student's images), given as its modality gives them.
+        return self.teacher.logprobs(*args, **options, vision=batch.vision or None, modality=self.modality)
 
     def teacher_context_length(self) -> int | None:
         return self.teacher.context_length() if self.teacher is not None else None
@@ -180,8 +188,7 @@ class GRPOModule(LightningModule):
         score at (a served one: 1 only), a teacher that cannot see a vision-language student's images, or a weight
         schedule that stops it where no reward teaches."""
         if self.teacher is not None:
-            vision = processor_of(self.tokenizer) is not None
-            check_teacher_run(self.teacher, self.teacher_temperature(temperature), rewards_teach, vision)
+            check_teacher_run(self.teacher, self.teacher_temperature(temperature), rewards_teach, self.modality)
 
     @property
     def has_reference(self) -> bool:
@@ -230,7 +237,8 @@ class GRPOModule(LightningModule):
             "chunk_size": self.hparams.logprob_chunk_size,
             "lean": self.hparams.lean_forward,
             "pack_tokens": batch.pack_tokens,
-            "vision": batch.vision or None,  # a vision-language model's per-row image inputs
+            "vision": batch.vision or None,  # each row's inputs beyond its ids (a vision-language model's images)
+            "modality": self.modality,
         }
         old_logprobs = ref_logprobs = None
         if old:
@@ -261,7 +269,20 @@ class GRPOModule(LightningModule):
         self.reference_moved = True
 
     # ------------------------------------------------------------------------------------------ update
+    def receive_round(self, plan: UpdatePlan, metrics: dict[str, float]) -> None:
+        """The round the data side has just prepared (``PolicySide.receive_round``): the plan its micro-batches
+        follow, and what its rollout measured, logged with the first of them trained (``training_step``)."""
+        self.plan, self._round_metrics = plan, metrics
+
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        """Micro-batch ``batch_idx`` of the round's plan (``update_plan.py``): in pass ``place.iteration`` of μ,
+        mini-batch ``place.mini_batch`` (one optimizer step), micro-batch ``place.micro_batch`` of its
+        accumulation. Its gradients add to its mini-batch's; after the mini-batch's last (``place.ends_step``)
+        Lightning steps the optimizer (``accumulate_grad_batches`` is the plan's ``micro_batches_per_step``,
+        checked before training), through ``on_before_optimizer_step``."""
+        if self.plan is None:
+            raise RuntimeError("GRPOModule trains on a RolloutDataModule's rounds: no round was received")
+        self.place = self.plan.place(batch_idx)
         objective, control, mask = self.objective, self.entropy_control, batch["loss_mask"]
         with_entropy = self.hparams.log_entropy or control.needs_entropy
         logprobs, entropy = completion_logprobs(
@@ -279,6 +300,7 @@ class GRPOModule(LightningModule):
             groups=batch["layout"].groups,
             pack_tokens=batch.get("pack_tokens"),
             vision=batch.get("vision"),
+            modality=self.modality,
         )
         loss, metrics = grpo_loss(
             logprobs,
@@ -310,16 +332,17 @@ class GRPOModule(LightningModule):
         aggregation = objective.aggregation_in_use
         if aggregation in STEP_NORMALISED and (aggregation == "token_mean" or batch.get("num_rows") is not None):
             # The loss is divided by the whole mini-batch's rows or tokens on every rank (num_rows, num_items):
-            # undo the averaging that gradient accumulation and DDP apply on top, so that the step sees
-            # sum(losses) / (its rows or tokens) however its rows were grouped. Logged the same way: each
-            # micro-batch's estimate of the step's loss.
-            scale = self.trainer.accumulate_grad_batches * self.trainer.world_size
+            # undo the averaging that gradient accumulation (over the plan's micro-batches per step) and DDP apply
+            # on top, so that the step sees sum(losses) / (its rows or tokens) however its rows were grouped.
+            # Logged the same way: each micro-batch's estimate of the step's loss.
+            scale = self.plan.micro_batches_per_step * self.trainer.world_size
             loss, metrics["pg_loss"] = loss * scale, metrics["pg_loss"] * scale
         self.log("train/loss", loss.detach(), prog_bar=False)
         self.log_dict({f"train/{name}": value for name, value in metrics.items()})
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
-        if "rollout_metrics" in batch:  # the round's first micro-batch
-            self._log_rollout_metrics(batch["rollout_metrics"])
+        if self._round_metrics is not None:  # the round's first micro-batch trained: what its rollout measured
+            self._log_rollout_metrics(self._round_metrics)
+            self._round_metrics = None
         return loss
 
     def _log_rollout_metrics(self, rollout_metrics: dict[str, float]) -> None:
@@ -356,7 +379,10 @@ class GRPOModule(LightningModule):
         self.entropy_control.clear_window()
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Non-finite guard (a step with a NaN/Inf leaves the weights as they are); the entropy coefficient's step."""
+        """A mini-batch's gradients are complete: the non-finite guard (a step with a NaN/Inf leaves the weights as
+        they are); the entropy coefficient's step."""
+        if self.place is not None and not self.place.ends_step:  # the Trainer's accumulation is checked to agree
+            raise RuntimeError(f"the optimizer stepped inside a mini-batch of the round's plan ({self.place})")
         self.nonfinite.before_step(self, optimizer)
         self.entropy_control.step(self.trainer.strategy.reduce, skipped=self.nonfinite.last_skipped, log=self.log)
 

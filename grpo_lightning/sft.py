@@ -29,11 +29,13 @@ from lightning import LightningDataModule, LightningModule
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from grpo_lightning.callbacks.checkpointing import default_checkpoint
+from grpo_lightning.cli import GRPOCLI
 from grpo_lightning.config import ConfigError, EvalConfig, SamplingConfig
 from grpo_lightning.engines import RolloutEngine
 from grpo_lightning.evaluation import HeldOutMetrics
 from grpo_lightning.lora import LoraConfig
-from grpo_lightning.models.build import load_tokenizer
+from grpo_lightning.models.build import load_tokenizer, model_modality
 from grpo_lightning.models.logprobs import completion_logprobs
 from grpo_lightning.models.policy_and_reference import attached_trainer, build_policy, context_length, sampling_context
 from grpo_lightning.models.tiny import TinyModelConfig
@@ -43,7 +45,6 @@ from grpo_lightning.rollout.data_sources import PromptData
 from grpo_lightning.rollout.policy_side import EngineHandle, PolicySide
 from grpo_lightning.rollout.prompts import Prompt, PromptEncoder, check_prompt_rows, rename_prompt_column, response_text
 from grpo_lightning.vision.images import IMAGE_COLUMNS
-from grpo_lightning.vision.models import processor_of
 
 IGNORE_INDEX = -100  # label of the tokens the loss skips (prompt and padding), as in Hugging Face models
 
@@ -101,7 +102,8 @@ class SFTModule(LightningModule):
             raise ConfigError(f"model.min_lr_ratio must be in [0, 1] (got {min_lr_ratio})")
         self.save_hyperparameters()
         self.tiny_model, self.lora = tiny_model or TinyModelConfig(), lora
-        self.tokenizer = load_tokenizer(model_name_or_path)
+        self.modality = model_modality(model_name_or_path)  # what rows add to their ids (grpo_lightning/modality.py)
+        self.tokenizer = load_tokenizer(model_name_or_path, modality=self.modality)
         self.policy: torch.nn.Module | None = None
         self.evaluator = HeldOutMetrics()
 
@@ -116,6 +118,7 @@ class SFTModule(LightningModule):
                 no_dropout=self.hparams.disable_dropout,
                 gradient_checkpointing=self.hparams.gradient_checkpointing,
                 lora=self.lora,
+                modality=self.modality,
             )
 
     # the policy side of held-out evaluation (``rollout/policy_side.py``)
@@ -132,7 +135,7 @@ class SFTModule(LightningModule):
             mask = batch["completion_mask"]
             logprobs, _ = completion_logprobs(
                 self.policy, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], mask,
-                vision=batch["vision"],
+                vision=batch["vision"], modality=self.modality,
             )  # fmt: skip
             count = mask.sum()
             return -(logprobs * mask).sum() / count.clamp(min=1), count
@@ -404,8 +407,8 @@ class SFTDataModule(PromptData, LightningDataModule):
 
     @property
     def takes_images(self) -> bool:
-        """Whether the policy is a vision-language model (its tokenizer carries a processor)."""
-        return processor_of(self.policy_side.tokenizer) is not None
+        """Whether the policy's rows carry inputs beyond their ids (its modality's: a vision-language model's)."""
+        return self.policy_side.modality.has_row_inputs
 
     def _image_examples(self, encoder: PromptEncoder, data: Dataset, responses: list[str]) -> list[dict[str, Any]]:
         if self.packing:
@@ -447,3 +450,25 @@ class SFTDataModule(PromptData, LightningDataModule):
         return self.held_out_loader(self.val_data, lambda: self.engine.current(self.policy_side))
 
     test_dataloader = val_dataloader  # ``test`` evaluates the same held-out prompts
+
+
+class SFTCLI(GRPOCLI):
+    """The CLI of ``python -m grpo_lightning sft``: ``SFTModule`` and ``SFTDataModule``, with Lightning's usual
+    Trainer defaults (GRPO's one-rollout-per-epoch settings do not apply to SFT). The command line finds it by
+    its path (``cli.SUBCOMMANDS``)."""
+
+    epochs_are_rounds = False  # epochs over a dataset: Lightning's accumulation, the summary counts epochs
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if not args and "model_class" not in kwargs:
+            args = (SFTModule, SFTDataModule)
+        kwargs.setdefault("trainer_defaults", {"num_sanity_val_steps": 0})
+        super().__init__(*args, **kwargs)
+
+    def default_callbacks(self, trainer: Any, callbacks: list[Any]) -> list[Any]:
+        """Unless ``trainer.enable_checkpointing`` is false, a ``ModelCheckpoint`` keeping ``last.ckpt``."""
+        checkpoint = default_checkpoint(trainer, callbacks, rounds=False)
+        return [checkpoint] if checkpoint is not None else []
+
+    def before_fit(self) -> None:
+        pass

@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from grpo_lightning.config import ConfigError
-from grpo_lightning.vision.models import vision_towers
+from grpo_lightning.modality import TEXT, Modality
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -112,13 +112,14 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["data_parallel"]
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a Hugging Face (or PEFT-wrapped) model: its ``_no_split_modules`` classes, but a
-    vision-language model's vision blocks, which stay in the root unit: ``generate()`` runs the vision encoder
-    before the model's own forward (transformers 5), and FSDP2 needs the root's forward to come first."""
+def decoder_layers(model: nn.Module, modality: Modality = TEXT) -> list[nn.Module]:
+    """The transformer blocks of a Hugging Face (or PEFT-wrapped) model: its ``_no_split_modules`` classes, but
+    those inside its ``modality``'s root modules (``Modality.root_modules``: a vision-language model's vision
+    blocks), which stay in the root unit: ``generate()`` runs the vision encoder before the model's own forward
+    (transformers 5), and FSDP2 needs the root's forward to come first."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     names = set(getattr(base, "_no_split_modules", None) or ())
-    tower = {id(m) for t in vision_towers(model) for m in t.modules()}
+    tower = {id(m) for t in modality.root_modules(model) for m in t.modules()}
     layers = [m for m in model.modules() if type(m).__name__ in names and id(m) not in tower]
     if not layers:  # not a transformers model: the longest ModuleList holds the blocks
         lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
@@ -132,8 +133,10 @@ def shard_model(
     *,
     mp_policy: Any | None = None,
     reshard_after_forward: bool = True,
+    modality: Modality = TEXT,
 ) -> nn.Module:
-    """FSDP2: ``fully_shard`` each decoder layer (one all-gather unit per block), then the root (the rest).
+    """FSDP2: ``fully_shard`` each decoder layer (one all-gather unit per block; ``decoder_layers`` of the model's
+    ``modality``), then the root (the rest).
 
     Weights tied between the input embedding and the output layer both belong to the root unit.
     """
@@ -142,7 +145,7 @@ def shard_model(
     options: dict[str, Any] = {"mesh": data_parallel_mesh(mesh)}
     if mp_policy is not None:
         options["mp_policy"] = mp_policy
-    for layer in decoder_layers(model):
+    for layer in decoder_layers(model, modality):
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **options)
     fully_shard(model, **options)
     return model

@@ -36,7 +36,6 @@ import torch
 from transformers import PreTrainedModel
 
 from grpo_lightning.module import GRPOModule
-from grpo_lightning.vision.models import save_tokenizer
 from grpo_lightning.vision.vllm_weights import copy_for_vllm, rename_for_vllm
 
 
@@ -99,7 +98,9 @@ def export_module(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     policy.save_pretrained(out_dir)
-    save_tokenizer(tokenizer, out_dir)  # a vision-language model's processor whole: AutoProcessor reloads it
+    module.modality.save_processor(
+        tokenizer, out_dir
+    )  # a vision-language model's processor whole: AutoProcessor reloads it
     if for_vllm:
         rename_for_vllm(out_dir, policy.config)
     return out_dir

@@ -32,40 +32,33 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from grpo_lightning.agents.gateway import Session
+from grpo_lightning.agents.rollout import sample_and_score_agents
 from grpo_lightning.agents.serving import CallServer
+from grpo_lightning.agents.sessions import SessionOutcome
 from grpo_lightning.config import ConfigError
 from grpo_lightning.environments.base import Environment, Step
 from grpo_lightning.errors import EnvironmentCrashed
+
+if TYPE_CHECKING:
+    import torch
+
+    from grpo_lightning.engines.base import RolloutEngine, SamplingParams
+    from grpo_lightning.rewards.scorer import Scorer
+    from grpo_lightning.rollout.batch import RolloutBatch
+    from grpo_lightning.rollout.prompts import PromptEncoder
+
+__all__ = ["AgentEnvironment", "SessionOutcome", "failure", "resolve_agent", "reward_parts"]
 
 SETTING = "data.environment.init_args"
 AgentFn = Callable[[str, str, dict[str, Any]], Any]
 
 
-@dataclass
-class SessionOutcome:
-    """One trajectory's agent run: its session, what the agent returned, and how it ended."""
-
-    row: dict[str, Any]
-    session: Session | None = None
-    result: Any = None
-    rewards: dict[str, float] = field(default_factory=dict)
-    error: str | None = None
-    timed_out: bool = False
-    finished: bool = False
-    deadline: float = math.inf
-    process: subprocess.Popen | None = None
-
-    @property
-    def failed(self) -> bool:
-        return self.error is not None or self.timed_out
-
-
 class AgentEnvironment(Environment):
     """A user's agent, run unchanged against the run's OpenAI-compatible gateway (see the module docstring)."""
+
+    carries_images = False  # its agents call the run's endpoint with text only
 
     def __init__(
         self,
@@ -116,6 +109,26 @@ class AgentEnvironment(Environment):
             raise ConfigError(f"{SETTING}.command is empty: name the program to run")
         self.max_concurrency, self.timeout_s, self.on_error = max_concurrency, float(timeout_s), on_error
         self.host, self.port = host, port
+
+    def rollout(
+        self,
+        rows: dict[str, list[Any]],
+        *,
+        engine: RolloutEngine,
+        encoder: PromptEncoder,
+        scorer: Scorer,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+        return_logprobs: bool = False,
+        device: torch.device | str = "cpu",
+        timings: dict[str, float] | None = None,
+    ) -> RolloutBatch:
+        """The agents' sessions, G per row, as rows scored per session (``agents/rollout.py``); the engine's
+        log-probs are always kept (the gateway records them with every call)."""
+        return sample_and_score_agents(
+            rows, agent=self, engine=engine, encoder=encoder, scorer=scorer, params=params, generator=generator,
+            device=device, timings=timings,
+        )  # fmt: skip
 
     def reset(self, row: dict[str, Any]) -> str | None:
         raise TypeError("AgentEnvironment has no turns to answer: its agent runs its own loop (agents/rollout.py)")

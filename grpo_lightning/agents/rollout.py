@@ -1,5 +1,5 @@
-"""A round's agent sessions as a scored ``RolloutBatch``: ``sample_and_score`` with ``data.environment`` an
-``AgentEnvironment``.
+"""A round's agent sessions as a scored ``RolloutBatch``: ``AgentEnvironment``'s rollout (``rollout/kind.py``), what
+``sample_and_score`` gives with ``data.environment`` an ``AgentEnvironment``.
 
 1. A gateway opens for the round (``agents/gateway.py``); every trajectory's agent runs in a session of its own
    while this thread serves their calls with the engine (``agents/serving.py``); the gateway closes.
@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from grpo_lightning.agents.calls import AgentRow, merge_calls, scored_row
-from grpo_lightning.agents.environment import AgentEnvironment, SessionOutcome
 from grpo_lightning.agents.gateway import Gateway
 from grpo_lightning.agents.serving import CallServer
-from grpo_lightning.config_checks import config_context_length
+from grpo_lightning.agents.sessions import SessionOutcome
 from grpo_lightning.engines.base import RolloutEngine, SamplingParams
+from grpo_lightning.models.sources import config_context_length
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.rollout.prompts import PromptEncoder
@@ -37,10 +37,23 @@ from grpo_lightning.rollout.prompts import PromptEncoder
 log = logging.getLogger(__name__)
 
 
+class Agents(Protocol):
+    """What a round of agent sessions asks of ``agents/environment.AgentEnvironment`` (its docstring says what
+    each is)."""
+
+    host: str
+    port: int
+    max_turns: int  # the calls a session may make (``max_calls``)
+    max_turn_tokens: int | None  # the tokens one call may generate (``max_call_tokens``)
+    chat_template_kwargs: dict[str, Any]
+
+    def run_sessions(self, rows: list[dict[str, Any]], server: CallServer) -> list[SessionOutcome]: ...
+
+
 def sample_and_score_agents(
     rows: dict[str, list[Any]],
     *,
-    agent: AgentEnvironment,
+    agent: Agents,
     engine: RolloutEngine,
     encoder: PromptEncoder,
     scorer: Scorer,
@@ -201,5 +214,5 @@ def session_metrics(
 
 def context_limit(engine: RolloutEngine) -> int | None:
     """The longest prompt + completion the engine generates for its policy (None: unknown)."""
-    config = getattr(engine.policy, "config", None)
+    config = engine.policy_config
     return engine.max_context(config_context_length(config) if config is not None else None)

@@ -79,7 +79,7 @@ class CallServer:
         self.generator, self.max_call_tokens, self.max_calls = generator, max_call_tokens, max_calls
         self.context_limit, self.template_kwargs = context_limit, dict(template_kwargs or {})
         self.device = device
-        config = getattr(engine.policy, "config", None)
+        config = engine.policy_config
         self.vocab_size = getattr(config, "vocab_size", None) or len(tokenizer)
         self.ends = tuple(engine.eos_token_ids or ()) or (tokenizer.eos_token_id,)
         self.engine_s, self.generate_calls, self.served, self.abandoned = 0.0, 0, 0, 0

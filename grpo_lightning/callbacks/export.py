@@ -9,7 +9,6 @@ from lightning import Callback, LightningModule, Trainer
 
 from grpo_lightning.lora import is_peft_model
 from grpo_lightning.strategies import gathered
-from grpo_lightning.vision.models import save_tokenizer
 
 
 class SaveHFModel(Callback):
@@ -36,4 +35,5 @@ class SaveHFModel(Callback):
                 policy = copy.deepcopy(policy).merge_and_unload()
             os.makedirs(self.dirpath, exist_ok=True)
             policy.save_pretrained(self.dirpath)
-            save_tokenizer(pl_module.tokenizer, self.dirpath)  # a vision-language model's processor whole
+            # The tokenizer, or what the policy's modality saves for it (a vision-language model's processor whole).
+            pl_module.modality.save_processor(pl_module.tokenizer, self.dirpath)

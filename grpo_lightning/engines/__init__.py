@@ -11,7 +11,9 @@
 =================  =====================================================================================
 
 ``data.engine`` takes a name, or ``{class_path: ..., init_args: {...}}`` for an engine with settings (one of
-these classes or your own ``RolloutEngine`` subclass).
+these classes or your own ``RolloutEngine`` subclass). The names are one table, ``ENGINES``: the core's engines
+as classes, vLLM's as ``"module:attr"`` paths that ``plugins.load_plugin`` imports when a run names them (the core
+imports no vLLM module). ``register_engine("mine", MyEngine)`` (or ``"my_pkg.engines:MyEngine"``) adds a name.
 """
 
 from __future__ import annotations
@@ -20,8 +22,36 @@ from grpo_lightning.config import ConfigError
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams, concat_completions
 from grpo_lightning.engines.hf import TransformersEngine
 from grpo_lightning.engines.lean import LeanEngine
+from grpo_lightning.plugins import load_plugin
 
-ENGINE_NAMES = ("auto", "lean", "transformers", "vllm", "vllm_server")
+# name -> the engine class, or the ``"module:attr"`` path of an integration's (loaded only when named).
+ENGINES: dict[str, type[RolloutEngine] | str] = {
+    "auto": LeanEngine,
+    "lean": LeanEngine,
+    "transformers": TransformersEngine,
+    "vllm": "grpo_lightning.engines.vllm:VLLMEngine",  # imports vllm: only when asked for
+    "vllm_server": "grpo_lightning.engines.vllm_server:VLLMServerEngine",  # the standard library's HTTP only
+}
+
+
+def register_engine(name: str, engine: type[RolloutEngine] | str) -> None:
+    """Make ``data.engine: name`` build ``engine``: a ``RolloutEngine`` subclass, or its ``"module:attr"`` path
+    (imported when a run names it). A name is registered once (the same engine again is fine)."""
+    if name in ENGINES and ENGINES[name] != engine:
+        raise ValueError(f"engine {name!r} is already registered ({ENGINES[name]!r})")
+    ENGINES[name] = engine
+
+
+def engine_names() -> tuple[str, ...]:
+    """The names ``data.engine`` takes, in the table's order (the built-in ones first)."""
+    return tuple(ENGINES)
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    # ``ENGINE_NAMES``: the table's names as they are now, registered ones included.
+    if name == "ENGINE_NAMES":
+        return engine_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def build_engine(spec: str | RolloutEngine) -> RolloutEngine:
@@ -32,25 +62,20 @@ def build_engine(spec: str | RolloutEngine) -> RolloutEngine:
     """
     if isinstance(spec, RolloutEngine):
         return spec
-    if spec in ("auto", "lean"):
-        return LeanEngine()
-    if spec == "transformers":
-        return TransformersEngine()
-    if spec == "vllm":
-        from grpo_lightning.engines.vllm import VLLMEngine  # imports vllm: only when asked for
-
-        return VLLMEngine()
-    if spec == "vllm_server":
-        from grpo_lightning.engines.vllm_server import VLLMServerEngine  # the standard library's HTTP only
-
-        return VLLMServerEngine()
-    raise ConfigError(
-        f"data.engine: unknown engine {spec!r}; choose one of {', '.join(ENGINE_NAMES)}, or give "
-        "{class_path: ..., init_args: {...}} for a RolloutEngine subclass"
-    )
+    if spec not in ENGINES:
+        raise ConfigError(
+            f"data.engine: unknown engine {spec!r}; choose one of {', '.join(engine_names())}, or give "
+            "{class_path: ..., init_args: {...}} for a RolloutEngine subclass"
+        )
+    engine = ENGINES[spec]
+    engine_class = load_plugin(engine) if isinstance(engine, str) else engine
+    if not (isinstance(engine_class, type) and issubclass(engine_class, RolloutEngine)):
+        raise ConfigError(f"data.engine: {spec!r} names {engine!r}, which is not a RolloutEngine subclass")
+    return engine_class()
 
 
 __all__ = [
+    "ENGINES",
     "ENGINE_NAMES",
     "Completions",
     "LeanEngine",
@@ -59,4 +84,6 @@ __all__ = [
     "TransformersEngine",
     "build_engine",
     "concat_completions",
+    "engine_names",
+    "register_engine",
 ]

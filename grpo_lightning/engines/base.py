@@ -45,7 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from grpo_lightning.config import SamplingConfig
 from grpo_lightning.engines.continuation import GenerationSession, weights_stamp
+from grpo_lightning.modality import TEXT, Modality
 
 
 @dataclass
@@ -94,6 +96,20 @@ class SamplingParams:
         (the EOS ban). Then the engine's log-probs are not the trainer's, even on the trainer's own weights."""
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_new_tokens > 0)
 
+    @classmethod
+    def from_config(cls, sampling: SamplingConfig, **changes: Any) -> SamplingParams:
+        """``data.sampling`` as an engine's parameters, with ``changes`` (``group_size``, ``greedy``, ...)."""
+        values = {
+            "group_size": sampling.group_size,
+            "max_new_tokens": sampling.max_new_tokens,
+            "min_new_tokens": sampling.min_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "batch_size": sampling.generation_batch_size,
+        }
+        return cls(**{**values, **changes})
+
     def with_(self, **changes: Any) -> SamplingParams:
         """A copy with ``changes`` applied."""
         return replace(self, **changes)
@@ -115,22 +131,41 @@ class RolloutEngine(ABC):
     kept at the session's previous call, prefilling only its new tokens (``engines/continuation.py``)."""
     takes_images: bool = False
     """``generate`` takes ``vision=``: a vision-language model's images for each prompt (``grpo_lightning/vision``)."""
+    takes_row_inputs: bool = False
+    """``generate`` takes ``vision=`` rows of any modality: each prompt's inputs beyond its ids, given to the model as
+    the engine's ``modality`` says (``Modality.generation_inputs``: ``grpo_lightning/modality.py``)."""
     follows_token_types: bool = False
     """A vision-language model whose forward reads ``token_type_ids`` (Gemma 3's bidirectional attention within an
     image, PaliGemma's prefix: ``vision/inputs.py: TOKEN_TYPE_RULES``) samples with them as its own forward reads
     them, checked against that forward (``tests/vision/test_vision_families.py``)."""
+    eos_token_ids: tuple[int, ...] = ()
+    """The ids that end a completion (the tokenizer's EOS and the model's ``generation_config`` ones), set by
+    ``setup``; none before (a multi-turn rollout then ends a turn at the tokenizer's EOS)."""
+
+    @property
+    def policy_config(self) -> Any:
+        """The configuration of the policy it samples from (a transformers ``PretrainedConfig``: its context length,
+        its vocabulary); None before ``setup`` or for a module without one."""
+        return getattr(self.policy, "config", None)
 
     def __init__(self) -> None:
         self.weights_version: int | None = None  # the optimizer step of the weights held (engines with a copy)
         self.eos_token_id: int | None = None
         self.eos_token_ids: tuple[int, ...] = ()
         self.pad_token_id: int | None = None
+        self.modality: Modality = TEXT  # the policy's (``setup``): what its rows' inputs are
 
-    def setup(self, policy: nn.Module, tokenizer: Any) -> None:
-        """Called once the policy exists (after ``configure_model``), before the first generation."""
-        self.policy = policy
+    def setup(self, policy: nn.Module, tokenizer: Any, modality: Modality = TEXT) -> None:
+        """Called once the policy exists (after ``configure_model``), before the first generation; ``modality``:
+        the policy's (``grpo_lightning/modality.py``), which gives ``generate(vision=...)``'s rows to the model."""
+        self.policy, self.modality = policy, modality
         self.eos_token_id, self.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
         self.eos_token_ids = end_token_ids(policy, tokenizer)
+
+    def check_row_inputs(self) -> None:
+        """Refuse ``generate(vision=...)`` rows when the engine was set up with a modality that has none to give."""
+        if not self.modality.has_row_inputs:
+            raise ValueError(f"the {self.name} engine was given rows with inputs but set up with the text modality")
 
     @property
     def is_setup(self) -> bool:

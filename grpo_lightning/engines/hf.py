@@ -28,7 +28,6 @@ from grpo_lightning.engines.base import (
 )
 from grpo_lightning.engines.continuation import GenerationSession, Kept, Resume, kept_after_sampling, real_tokens
 from grpo_lightning.engines.model_decoder import cache_kwarg
-from grpo_lightning.vision.inputs import generation_inputs, placeholder_token_ids, repeat_rows
 
 
 class StopOnSequences(StoppingCriteria):
@@ -74,9 +73,10 @@ class TransformersEngine(RolloutEngine):
 
     name = "transformers"
     shares_weights = True
-    takes_images = True  # generate(vision=...): a vision-language model's images (grpo_lightning/vision)
+    takes_images = True  # generate(vision=...): a vision-language model's images (its modality's inputs)
+    takes_row_inputs = True  # any modality's: Modality.generation_inputs
     supports_continuation = True
-    follows_token_types = True  # generate() makes them as the passes do (vision/inputs.py: token_inputs)
+    follows_token_types = True  # generate() makes them as the passes do (the image modality's generation_inputs)
 
     def generation_config(self, params: SamplingParams, group_size: int) -> GenerationConfig:
         """The whole sampling distribution, from ``params`` only: the model's ``generation_config`` never adds to it
@@ -110,12 +110,14 @@ class TransformersEngine(RolloutEngine):
     ) -> Completions:
         """``RolloutEngine.generate``; with a ``session`` (``open_session``), each row continues from the cache kept
         at the session's previous call (``generate()`` given the kept cache prefills only the new tokens), and this
-        call's cache is kept for the next. ``vision``: a vision-language model's image inputs of each prompt
-        (``grpo_lightning/vision/inputs.py``), given with its chunk of prompts."""
+        call's cache is kept for the next. ``vision``: each prompt's inputs beyond its ids (a vision-language model's
+        images), given with its chunk of prompts as the engine's ``modality`` says (``Modality.generation_inputs``)."""
         group_size = 1 if params.greedy else params.group_size
         config = self.generation_config(params, group_size)
-        if vision is not None:  # a vision-language model: its image placeholders are never a completion's tokens
-            config.suppress_tokens = placeholder_token_ids(self.policy)
+        modality = self.modality
+        if vision is not None:  # e.g. a vision-language model's image placeholders are never a completion's tokens
+            self.check_row_inputs()
+            config.suppress_tokens = modality.suppressed_tokens(self.policy)
         prompts_per_chunk = max(1, params.batch_size // group_size)
         device = prompt_ids.device
         chunks, kept = [], []
@@ -132,8 +134,12 @@ class TransformersEngine(RolloutEngine):
                 # generate() expands image inputs is the model's: Idefics3's tiles went to the wrong rows)
                 ids, mask = ids.repeat_interleave(group_size, 0), mask.repeat_interleave(group_size, 0)
                 rows_per_prompt = 1
-                chunk_vision = repeat_rows(vision[start : start + prompts_per_chunk], group_size)
-                inputs = {**inputs, **generation_inputs(self.policy, chunk_vision, ids), "num_return_sequences": 1}
+                chunk_vision = modality.repeat_rows(vision[start : start + prompts_per_chunk], group_size)
+                inputs = {
+                    **inputs,
+                    **modality.generation_inputs(self.policy, chunk_vision, ids),
+                    "num_return_sequences": 1,
+                }
             context = inputs.get("input_ids", ids)
             seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device)) if generator else 0
             devices = [device] if device.type == "cuda" else []

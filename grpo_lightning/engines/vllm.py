@@ -31,13 +31,13 @@ import torch
 from torch import Tensor, nn
 
 from grpo_lightning.config import ConfigError
-from grpo_lightning.config_checks import config_context_length
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams, completions_from_rows
 from grpo_lightning.engines.vllm_loading import reload_checked
 from grpo_lightning.engines.weights import policy_weights, policy_weights_shapes
 from grpo_lightning.lora import is_peft_model
+from grpo_lightning.modality import TEXT, Modality
+from grpo_lightning.models.sources import config_context_length
 from grpo_lightning.vision.inputs import placeholder_token_ids
-from grpo_lightning.vision.models import processor_of
 from grpo_lightning.vision.vllm_inputs import (
     engine_prompts,
     expansion_mismatch,
@@ -116,9 +116,9 @@ class VLLMEngine(RolloutEngine):
         self.config: Any = None  # the model's, for the names its weights go under (setup; vision/vllm_weights.py)
 
     # ------------------------------------------------------------------------------------------ life cycle
-    def setup(self, policy: nn.Module, tokenizer: Any) -> None:
+    def setup(self, policy: nn.Module, tokenizer: Any, modality: Modality = TEXT) -> None:
         """Start vLLM on the policy's architecture and weights (its model folder, or a copy of it written here)."""
-        super().setup(policy, tokenizer)
+        super().setup(policy, tokenizer, modality)
         if self.llm is not None:
             self.close_llm()
         import_vllm()
@@ -175,7 +175,7 @@ class VLLMEngine(RolloutEngine):
     def _model_folder(self, model: nn.Module, tokenizer: Any) -> str:
         """A folder vLLM can read the architecture from: the model's own, or its config and weights saved here
         (under the names vLLM's loader wants: ``vision/vllm_weights.py``)."""
-        folder, self._folder = vllm_model_folder(model, processor_of(tokenizer) or tokenizer)
+        folder, self._folder = vllm_model_folder(model, self.modality.saved_processor(tokenizer))
         return folder
 
     def close_llm(self) -> None:

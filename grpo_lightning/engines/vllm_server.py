@@ -39,6 +39,7 @@ from grpo_lightning.engines.http import ServerClient, ServerError
 from grpo_lightning.engines.weight_transfer import TRANSPORTS, WeightChannel, address_towards, held_version
 from grpo_lightning.engines.weights import policy_weights, policy_weights_meta
 from grpo_lightning.lora import is_peft_model
+from grpo_lightning.modality import TEXT, Modality
 from grpo_lightning.vision.inputs import placeholder_token_ids
 from grpo_lightning.vision.vllm_inputs import (
     GENERATE_ROUTE,
@@ -157,9 +158,9 @@ class VLLMServerEngine(RolloutEngine):
             self._servers = servers
         return self._servers
 
-    def setup(self, policy: nn.Module, tokenizer: Any) -> None:
+    def setup(self, policy: nn.Module, tokenizer: Any, modality: Modality = TEXT) -> None:
         """Connect to the servers and check that they can serve this run (log-probs mode, weight routes)."""
-        super().setup(policy, tokenizer)
+        super().setup(policy, tokenizer, modality)
         base = policy.get_base_model() if is_peft_model(policy) else policy
         config = getattr(base.config, "text_config", None) or base.config
         self.vocab_size = int(config.vocab_size)

@@ -14,17 +14,31 @@ the total length limit is ``data.sampling.max_new_tokens``, everything after the
 must fit ``max_observation_tokens``: ``fit_observation`` cuts the *text* inside its frame (a tool result inside its
 closing tag and the next turn's header) and says so; the rollout cuts an oversize observation's tokens only as a
 last resort, which cuts the frame too.
+
+An ``Environment`` is a rollout kind (``rollout/kind.py: RolloutKind``): the round asks it for its scored rows and
+it runs its trajectories through ``rollout/multiturn.py``; what the round asks of a kind besides (its reward
+weights, the data's checks, the tokenizer it is bound to, ``close``) is declared here with the environments' answers.
 """
 
 from __future__ import annotations
 
 import copy
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grpo_lightning.config import ConfigError
+from grpo_lightning.rollout import multiturn
+from grpo_lightning.rollout.kind import RolloutKind, check_rollout_kind
+
+if TYPE_CHECKING:
+    import torch
+
+    from grpo_lightning.engines.base import RolloutEngine, SamplingParams
+    from grpo_lightning.rewards.scorer import Scorer
+    from grpo_lightning.rollout.batch import RolloutBatch
+    from grpo_lightning.rollout.prompts import PromptEncoder
 
 CUT_MARKER = "... [cut: {count} more characters]"
 SHORT_CUT_MARKER = "..."  # where the full marker does not fit (a character per token, a tight limit)
@@ -50,7 +64,7 @@ class Step:
     ``rollout/<name>`` = their mean over the round's trajectories."""
 
 
-class Environment(ABC):
+class Environment(RolloutKind):
     """One trajectory's environment: ``reset(row)``, then ``step(turn_text)`` after every policy turn but the last.
 
     Subclasses implement ``reset`` and ``step``; ``stop_texts`` lists texts after which a turn ends early (a tool
@@ -58,6 +72,15 @@ class Environment(ABC):
     long is best returned through ``fit_observation`` (its text cut to ``max_observation_tokens``, its frame kept).
     """
 
+    gives_rewards = True  # its reward parts (``Step.rewards``, ``final_rewards``) are a learning signal
+    multi_turn = True
+    takes_process_rewards = False  # a trajectory's steps are not scored one by one yet
+    names_vary_by_rank = True  # its metrics and parts are named by what a rank's trajectories did (a tool call)
+    max_concurrency: int = 1
+    """Active trajectories' environments stepped at once (in threads) in a turn; 1: one at a time, in this thread
+    (an environment that waits on a server or a process sets more: OpenEnv's, skyrl-gym's ``max_concurrency``)."""
+    tokenizer: Any = None
+    """The policy's tokenizer, once ``setup`` (None before)."""
     shared: tuple[str, ...] = ("tokenizer",)
     """Attributes every trajectory's copy shares instead of copying: heavy and read-only (a subclass may add to it)."""
     chat_template_kwargs: dict[str, Any] = {}  # noqa: RUF012 - replaced, never mutated
@@ -86,6 +109,35 @@ class Environment(ABC):
     def setup(self, tokenizer: Any) -> None:
         """Called once with the policy's tokenizer before the first rollout (e.g. to render a chat template)."""
         self.tokenizer = tokenizer
+
+    # ------------------------------------------------------------------------------------ the rollout kind
+    def rollout(
+        self,
+        rows: dict[str, list[Any]],
+        *,
+        engine: RolloutEngine,
+        encoder: PromptEncoder,
+        scorer: Scorer,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+        return_logprobs: bool = False,
+        device: torch.device | str = "cpu",
+        timings: dict[str, float] | None = None,
+    ) -> RolloutBatch:
+        """G trajectories per row against copies of this environment, scored on their final turns
+        (``rollout/multiturn.py: environment_rollout``)."""
+        return multiturn.environment_rollout(
+            self, rows, engine=engine, encoder=encoder, scorer=scorer, params=params, generator=generator,
+            return_logprobs=return_logprobs, device=device, timings=timings,
+        )  # fmt: skip
+
+    def set_chat_template_kwargs(self, chat_template_kwargs: dict[str, Any]) -> None:
+        """Kept as ``chat_template_kwargs``, for ``setup``'s frames."""
+        self.chat_template_kwargs = chat_template_kwargs
+
+    def bind(self, tokenizer: Any) -> None:
+        """``setup(tokenizer)`` unless this environment was set up with that tokenizer already."""
+        multiturn.setup_environment(self, tokenizer)
 
     def spawn(self) -> Environment:
         """A fresh copy for one trajectory: a deep copy, except the attributes ``shared`` names (the tokenizer)."""
@@ -118,7 +170,7 @@ class Environment(ABC):
         def fits(k: int, short: bool = False) -> bool:
             return self.count_tokens(candidate(k, short)) <= self.max_observation_tokens
 
-        if getattr(self, "tokenizer", None) is None or fits(keep):  # not set up (nothing to count with), or fits
+        if self.tokenizer is None or fits(keep):  # not set up (nothing to count with), or fits
             return candidate(keep)
         short = not fits(0)  # the full marker leaves no room: the short one
         if short and not fits(0, short):  # the frame alone is too long: the rollout's last resort cuts it
@@ -188,11 +240,6 @@ class Environment(ABC):
         """Answer the policy's turn ``turn`` (its decoded text, special tokens left out)."""
 
 
-def check_environment(environment: Any) -> Environment | None:
-    """``data.environment`` as given, refused with one line when it is not an ``Environment``."""
-    if environment is None or isinstance(environment, Environment):
-        return environment
-    raise ConfigError(
-        "data.environment must be {class_path: ..., init_args: {...}} of a grpo_lightning.environments.Environment "
-        f"subclass (got {type(environment).__name__})"
-    )
+def check_environment(environment: Any) -> RolloutKind | None:
+    """``data.environment`` as given, refused with one line when it is not a rollout kind (``rollout/kind.py``)."""
+    return check_rollout_kind(environment)

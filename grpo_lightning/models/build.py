@@ -1,4 +1,5 @@
-"""Loading the model and tokenizer that GRPO trains: a Hugging Face causal LM, or the built-in tiny Llama.
+"""Loading the model and tokenizer that GRPO trains: a Hugging Face model as its modality loads it
+(``grpo_lightning/modality.py``), or the built-in tiny Llama.
 
 ``GRPOModule.configure_model`` composes these with the reference copy, LoRA and sharding.
 """
@@ -6,8 +7,9 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from grpo_lightning.modality import TEXT, Modality, modality_for
 from grpo_lightning.models.sources import (
     POLICY,
     check_model_source,
@@ -16,22 +18,36 @@ from grpo_lightning.models.sources import (
     model_source_error,
 )
 from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
-from grpo_lightning.vision.models import is_vision_model, load_vision_model, load_vision_tokenizer
 
 
-def load_tokenizer(model_name_or_path: str | None, setting: str = POLICY) -> PreTrainedTokenizerBase:
+def model_modality(model_name_or_path: str | None, setting: str = POLICY) -> Modality:
+    """The modality of the model (``grpo_lightning/modality.py: modality_for``, read from its config; text for the
+    tiny Llama), a name that cannot be a model, or one that cannot be reached, refused in one line naming
+    ``setting``."""
+    if model_name_or_path is None:
+        return TEXT
+    check_model_source(model_name_or_path, setting)
+    try:
+        return modality_for(model_name_or_path)
+    except OSError as err:  # not on the Hub, no network, a private repository: one line that names the setting
+        raise model_source_error(model_name_or_path, err, setting) from err
+
+
+def load_tokenizer(
+    model_name_or_path: str | None, setting: str = POLICY, modality: Modality | None = None
+) -> PreTrainedTokenizerBase:
     """The model's tokenizer, left-padding (generation appends on the right); the character tokenizer of the tiny
     Llama when ``model_name_or_path`` is None. A missing eos comes from the model config and a missing pad is eos
     (masked out everywhere), each with a warning. ``setting``: the config key that names the model (the policy's,
-    or ``model.teacher.model_name_or_path``), for a one-line error when it cannot be loaded."""
+    or ``model.teacher.model_name_or_path``), for a one-line error when it cannot be loaded. ``modality``: the
+    model's (``model_modality``, the default), which loads it (a vision-language model's: its processor's tokenizer,
+    the processor kept by the modality)."""
     if model_name_or_path is None:
         return build_char_tokenizer()
+    modality = modality if modality is not None else model_modality(model_name_or_path, setting)
     check_model_source(model_name_or_path, setting)
     try:
-        if is_vision_model(model_name_or_path):  # its processor's tokenizer, carrying the processor
-            tokenizer = load_vision_tokenizer(model_name_or_path)
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+        tokenizer = modality.load_tokenizer(model_name_or_path)
     except OSError as err:  # not on the Hub, no network, a private repository: one line that names the setting
         raise model_source_error(model_name_or_path, err, setting) from err
     tokenizer.padding_side = "left"
@@ -40,19 +56,23 @@ def load_tokenizer(model_name_or_path: str | None, setting: str = POLICY) -> Pre
 
 
 def load_model(
-    model_name_or_path: str | None, tiny_model: TinyModelConfig, tokenizer: PreTrainedTokenizerBase
+    model_name_or_path: str | None,
+    tiny_model: TinyModelConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    modality: Modality | None = None,
 ) -> PreTrainedModel:
-    """The causal LM (Hub name or local folder), or a tiny Llama built from ``tiny_model`` when the name is None.
+    """The model (Hub name or local folder) as its ``modality`` loads it (a causal LM for text; a vision-language
+    model's ``AutoModelForImageTextToText``; default: ``model_modality``'s), or a tiny Llama built from ``tiny_model``
+    when the name is None.
 
     Its dtype is torch's default one: the Trainer's inside ``configure_model`` (bfloat16 under
     ``precision="bf16-true"``).
     """
     if model_name_or_path is None:
         model = build_tiny_llama(tiny_model, tokenizer)
-    elif is_vision_model(model_name_or_path):  # grpo_lightning/vision: AutoModelForImageTextToText
-        model = load_vision_model(model_name_or_path, torch.get_default_dtype())
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=torch.get_default_dtype())
+        modality = modality if modality is not None else model_modality(model_name_or_path)
+        model = modality.load_model(model_name_or_path, torch.get_default_dtype())
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
 

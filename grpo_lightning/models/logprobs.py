@@ -17,10 +17,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from grpo_lightning.modality import TEXT, Modality
 from grpo_lightning.models.lean import (
     PromptGroups,
     lean_unsupported,
-    mask_positions,
     prompt_groups,
     shared_prompt_hidden,
 )
@@ -38,7 +38,6 @@ from grpo_lightning.models.packing import (
     pack_budget,
     packing_isolates,
 )
-from grpo_lightning.vision.inputs import check_completions, forward_inputs, packing_off
 
 __all__ = [
     "DEFAULT_LOGPROB_CHUNK",
@@ -211,6 +210,7 @@ def completion_logprobs(
     groups: PromptGroups | None = None,
     pack_tokens: int | str | None = None,
     vision: Sequence[Mapping[str, Tensor]] | None = None,
+    modality: Modality = TEXT,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs ``[N, T]`` of the completion tokens (and entropies), in micro-batches of rows.
 
@@ -234,14 +234,19 @@ def completion_logprobs(
     its attention keeps packed sequences apart (``packing_isolates``; padded otherwise). Packing needs the chunked
     output layer (``chunk_size`` set); without one the rows run padded.
 
-    ``vision``: each row's image inputs (a vision-language model, ``grpo_lightning/vision/inputs.py``): each
-    micro-batch joins its own rows' and runs the model's own forward, padded (no lean forward, no packing), with
-    the positions the model's images need (Qwen-VL's 3-D M-RoPE).
+    ``vision``: each row's inputs beyond its ids (``grpo_lightning/modality.py: Rows``; a vision-language model's
+    image inputs), which ``modality`` gives the forward: each micro-batch's own rows' (``Modality.forward_inputs``:
+    a vision-language model's joined images and the positions they need, Qwen-VL's 3-D M-RoPE), on the model's own
+    forward, padded (no lean forward, no packing: both take ids alone). Without them, the text path's positions.
     """
-    if vision is not None:
-        if pack_tokens is not None:
-            packing_off(pack_tokens)
-        check_completions(model, completion_ids, completion_mask)
+    if vision is None:
+        modality = TEXT  # no row inputs: the text path, whatever the model
+    elif not modality.has_row_inputs:
+        raise ValueError(
+            "completion_logprobs: rows with inputs (vision=) need the modality that gives them (modality=)"
+        )
+    else:
+        modality.check_pass(model, completion_ids, completion_mask, pack_tokens)
         lean, pack_tokens = False, None
     num_rows, completion_len = completion_ids.shape
     step = micro_batch_size or num_rows
@@ -289,9 +294,9 @@ def completion_logprobs(
             )
         with hooks as state:
             # use_cache=False: a training forward has no use for a KV cache, and building one costs memory.
-            extra = {"position_ids": mask_positions(attention)}
-            if vision is not None:  # the micro-batch's own rows' images, and their positions
-                extra = forward_inputs(model, vision[rows], input_ids, attention, prompt_width=prompt_ids.size(1))
+            # The micro-batch's own rows' inputs and their positions (text: positions over the real tokens).
+            row_inputs = vision[rows] if vision is not None else ()
+            extra = modality.forward_inputs(model, row_inputs, input_ids, attention, prompt_width=prompt_ids.size(1))
             output = model(
                 input_ids=input_ids,
                 attention_mask=attention,

@@ -17,13 +17,12 @@ import torch
 from transformers import PreTrainedModel
 
 from grpo_lightning.config import ConfigError
-from grpo_lightning.config_checks import config_context_length
 from grpo_lightning.lora import LoraConfig, apply_lora
-from grpo_lightning.models.build import disable_dropout, enable_activation_checkpointing, load_model
+from grpo_lightning.modality import Modality
+from grpo_lightning.models.build import disable_dropout, enable_activation_checkpointing, load_model, model_modality
+from grpo_lightning.models.sources import config_context_length
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.strategies import broadcast_module, gathered, shard_model
-from grpo_lightning.vision.models import freeze_vision_tower as freeze_vision
-from grpo_lightning.vision.models import is_vision_model, vision_tower_pattern
 
 
 def build_policy(
@@ -38,17 +37,21 @@ def build_policy(
     gradient_checkpointing: bool = False,
     lora: LoraConfig | None = None,
     freeze_vision_tower: bool = True,
+    modality: Modality | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedModel | None]:
     """``(policy, reference)``: the model to train, in train mode, and a frozen copy of it when ``reference``.
 
     With LoRA no copy is made (the reference is the policy with its adapter disabled). Under
     ``ModelParallelStrategy`` (``mesh`` set) both are sharded with FSDP2: each decoder layer, then the root.
-    ``freeze_vision_tower``: a vision-language model's vision encoder does not train (``vision/models.py``).
+    ``modality``: the model's (``grpo_lightning/modality.py``; default: read from its config, ``model_modality``),
+    which loads it; ``freeze_vision_tower``: what the
+    modality freezes does not train (a vision-language model's vision encoder, ``Modality.freeze``).
     """
     zero3 = bool(getattr(trainer.strategy, "zero_stage_3", False)) if trainer is not None else False
-    policy = load_model(name, tiny_model, tokenizer)
-    if freeze_vision_tower and is_vision_model(name):
-        freeze_vision(policy)
+    modality = modality if modality is not None else model_modality(name)
+    policy = load_model(name, tiny_model, tokenizer, modality)
+    if freeze_vision_tower:
+        modality.freeze(policy)
     if mesh is not None and name is None:
         broadcast_module(policy)  # random weights: every rank must shard the same model
     ref = None
@@ -57,13 +60,12 @@ def build_policy(
         # deep-copied: the reference is loaded a second time instead.
         if zero3 and name is None:
             raise ConfigError("DeepSpeed ZeRO-3 with model.objective.beta > 0 needs model.model_name_or_path")
-        ref = load_model(name, tiny_model, tokenizer) if zero3 else copy.deepcopy(policy)
+        ref = load_model(name, tiny_model, tokenizer, modality) if zero3 else copy.deepcopy(policy)
         ref.eval().requires_grad_(False)
     if gradient_checkpointing:
         enable_activation_checkpointing(policy)
-    if lora is not None:  # a frozen vision tower gets no adapters (grpo_lightning/vision/models.py)
-        frozen_tower = freeze_vision_tower and is_vision_model(name)
-        policy = apply_lora(policy, lora, exclude=vision_tower_pattern() if frozen_tower else None)
+    if lora is not None:  # what the modality froze gets no adapters (a vision tower: Modality.lora_exclude)
+        policy = apply_lora(policy, lora, exclude=modality.lora_exclude(freeze_vision_tower))
         if mesh is not None:
             broadcast_module(policy, trainable_only=True)  # adapters start random on every rank
     if no_dropout:
@@ -80,9 +82,9 @@ def build_policy(
 
             # Compute (and all-gather) in bf16 as autocast would, reduce gradients in float32.
             mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        shard_model(policy, mesh, mp_policy=mp_policy)
+        shard_model(policy, mesh, mp_policy=mp_policy, modality=modality)
         if ref is not None:
-            shard_model(ref, mesh, mp_policy=mp_policy)
+            shard_model(ref, mesh, mp_policy=mp_policy, modality=modality)
     return policy, ref
 
 

@@ -30,17 +30,17 @@ import torch
 from torch import Tensor
 
 from grpo_lightning.config import ConfigError
+from grpo_lightning.distillation import DistillationTeacher, TeacherConfig
 from grpo_lightning.engines.http import ServerClient
-from grpo_lightning.vision.models import processor_of
+from grpo_lightning.modality import TEXT, Modality
 
 _PROBE_TEXT = "Question: what is 12 + 30?\nAnswer: 42. <think>carry the one</think> Ünïcödé 東京 🙂"
 
 
-class ServedTeacher:
-    """The teacher of ``model.teacher.url``; the interface of ``teacher.Teacher`` (``build``, ``context_length``,
-    ``logprobs``, ``check_temperature``, ``check_student``)."""
+class ServedTeacher(DistillationTeacher):
+    """The teacher of ``model.teacher.url`` (the contract: ``distillation.DistillationTeacher``)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: TeacherConfig) -> None:
         self.config = config
         self.client = ServerClient(config.url, timeout_s=config.timeout_s, retries=config.retries)
         self.model_name: str | None = config.served_model_name
@@ -86,19 +86,20 @@ class ServedTeacher:
                 "(model.teacher.model_name_or_path) whose pass applies any temperature"
             )
 
-    def check_student(self, vision: bool) -> None:
-        """Refuse a vision-language student (``vision``): the server scores token ids alone (vLLM's
-        ``/v1/completions`` takes no images), so it would read the images' placeholders without the images."""
-        if vision:
+    def check_student(self, student: Modality) -> None:
+        """Refuse a student whose rows carry inputs beyond their ids (``Modality.has_row_inputs``: a vision-language
+        student's images): the server scores token ids alone (vLLM's ``/v1/completions`` takes no images), so it
+        would read the images' placeholders without the images."""
+        if student.has_row_inputs:
             raise ConfigError(
                 "model.teacher.url: a served teacher scores token ids without images (vLLM's /v1/completions takes "
                 "none) and model.model_name_or_path is a vision-language model; load the teacher locally "
                 "(model.teacher.model_name_or_path, a vision-language model with the student's processor)"
             )
 
-    def build(self, student: torch.nn.Module, tokenizer: Any) -> None:
+    def build(self, student: torch.nn.Module, tokenizer: Any, modality: Modality = TEXT) -> None:
         """Check, before training, that the server's teacher reads the student's token ids as the student does."""
-        self.check_student(processor_of(tokenizer) is not None)
+        self.check_student(modality)
         self._served_models()
         probe_ids = _probe_ids(tokenizer)
         answer = self.client.post("/detokenize", {"model": self.model_name, "tokens": probe_ids}, retry=True)

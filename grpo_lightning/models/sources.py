@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 POLICY = "model.model_name_or_path"  # the setting that names the policy; a teacher's is model.teacher.<...>
 
 
@@ -135,3 +136,13 @@ def load_model_config(name: str, setting: str = POLICY) -> PretrainedConfig:
         return AutoConfig.from_pretrained(name)
     except OSError as err:
         raise model_source_error(name, err, setting) from err
+
+
+def config_context_length(config: Any) -> int | None:
+    """The longest sequence (prompt + completion) a model config allows; None when it does not say."""
+    config = getattr(config, "text_config", None) or config  # multimodal configs nest the language model's
+    for key in _CONTEXT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

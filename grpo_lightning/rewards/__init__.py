@@ -12,7 +12,8 @@ needs in a ``required_columns`` attribute; the DataModule checks them before tra
 ``RewardSpec`` are checked against the function's settings (``inputs.reward_settings``) when it is built.
 
 Register a function with ``@register("name")``; YAML refers to it by that name or by an import path
-(``my_pkg.rewards.fn``).
+(``my_pkg.rewards.fn``). The built-in rewards of the integrations (the sandbox's ``code_execution``,
+``reasoning_gym``) are registered by path (``REWARD_PLUGINS``) and imported when a run names them.
 """
 
 from __future__ import annotations
@@ -20,11 +21,18 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
+from grpo_lightning.plugins import load_plugin
 from grpo_lightning.rewards.combine import RewardError, RewardSpec, check_required_columns, score
 
 RewardFn = Callable[..., list]
 
 _REGISTRY: dict[str, RewardFn] = {}
+
+# name -> ``"module:attr"`` of the integrations' built-in rewards (``plugins.load_plugin``: imported when named).
+REWARD_PLUGINS: dict[str, str] = {
+    "code_execution": "grpo_lightning.rewards.code:code_execution",
+    "reasoning_gym": "grpo_lightning.rewards.reasoning_gym:reasoning_gym_reward",
+}
 
 
 def register(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -42,7 +50,7 @@ def register(name: str) -> Callable[[RewardFn], RewardFn]:
 def available() -> list[str]:
     """Names of the registered reward functions."""
     _load_builtins()
-    return sorted(_REGISTRY)
+    return sorted({*_REGISTRY, *REWARD_PLUGINS})
 
 
 def get(name: str) -> RewardFn:
@@ -50,16 +58,18 @@ def get(name: str) -> RewardFn:
     _load_builtins()
     if name in _REGISTRY:
         return _REGISTRY[name]
+    if name in REWARD_PLUGINS:
+        return load_plugin(REWARD_PLUGINS[name])
     if "." in name:
         module_name, _, attr = name.rpartition(".")
         try:
-            fn = getattr(importlib.import_module(module_name), attr)
+            fn = load_plugin(f"{module_name}:{attr}")
         except (ImportError, AttributeError) as err:
             raise RewardError(f"reward {name!r} cannot be imported: {err}") from None
         if not callable(fn):
             raise RewardError(f"reward {name!r} is not callable")
         return fn
-    raise RewardError(f"unknown reward {name!r}: use one of {', '.join(sorted(_REGISTRY))} or an import path")
+    raise RewardError(f"unknown reward {name!r}: use one of {', '.join(available())} or an import path")
 
 
 def _load_builtins() -> None:
@@ -67,4 +77,13 @@ def _load_builtins() -> None:
     importlib.import_module("grpo_lightning.rewards.builtin")
 
 
-__all__ = ["RewardError", "RewardSpec", "available", "check_required_columns", "get", "register", "score"]
+__all__ = [
+    "REWARD_PLUGINS",
+    "RewardError",
+    "RewardSpec",
+    "available",
+    "check_required_columns",
+    "get",
+    "register",
+    "score",
+]

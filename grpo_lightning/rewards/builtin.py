@@ -1,3 +1,4 @@
-"""Imports every module that registers built-in reward functions (see ``grpo_lightning.rewards.get``)."""
+"""Imports every core module that registers built-in reward functions (see ``grpo_lightning.rewards.get``); the
+integrations' are registered by path (``rewards.REWARD_PLUGINS``)."""
 
-from grpo_lightning.rewards import code, countdown, exact, format, math, model, reasoning_gym  # noqa: F401
+from grpo_lightning.rewards import countdown, exact, format, math, model  # noqa: F401

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from grpo_lightning.models.logprobs import logprob_layout
+from grpo_lightning.update_plan import UpdatePlan
 
 
 @dataclass
@@ -198,37 +199,35 @@ class RolloutBatch:
 
     def micro_batches(
         self,
+        plan: UpdatePlan,
         *,
-        micro_batch_size: int,
-        mini_batch_size: int,
-        num_iterations: int,
         generator: torch.Generator,
         sum_across_ranks: Callable[[Tensor], Tensor] | None = None,
         balance_tokens: bool = False,
     ) -> list[dict[str, Any]]:
-        """μ shuffled passes over the rollout, cut into mini-batches (one optimizer step each) of micro-batches.
-
-        A mini-batch makes ``mini_batch_size / micro_batch_size`` micro-batches (the trainer's fixed gradient
-        accumulation): of equal row counts, or with ``balance_tokens`` of equal completion-token counts (rows
-        assigned longest first to the micro-batch with the fewest tokens, ``balanced_split``), so that a step's
-        peak memory does not depend on where its long completions fell.
+        """The round cut as ``plan`` says: μ shuffled passes, each in ``plan.mini_batches_per_pass`` mini-batches
+        (one optimizer step each) of ``plan.micro_batches_per_step`` micro-batches (the trainer's fixed gradient
+        accumulation). The micro-batches of a mini-batch hold equal row counts, or with ``balance_tokens`` equal
+        completion-token counts (rows assigned longest first to the micro-batch with the fewest tokens,
+        ``balanced_split``), so that a step's peak memory does not depend on where its long completions fell.
 
         Each micro-batch carries ``num_items`` and ``num_rows``: the loss tokens and the rows of its whole
         mini-batch, summed over ranks by ``sum_across_ranks`` under data parallelism, so that every aggregation but
         ``micro_batch_token_mean`` makes the same step whatever the micro-batches hold or the number of ranks.
 
         The counts are planned on trajectories: where an agent's sessions made more rows than trajectories, each
-        pass still makes ``trajectories / mini_batch_size`` mini-batches of ``mini / micro`` micro-batches, the
-        extra rows spread over them (a few more rows per micro-batch).
+        pass still makes the plan's mini-batches and micro-batches, the extra rows spread over them (a few more rows
+        per micro-batch).
         """
         n = len(self)
         loss_mask = self.completion_mask if self.loss_mask is None else self.loss_mask
-        planned = n if self.trajectory is None else int(self.trajectory_starts().sum())
-        steps = -(-planned // mini_batch_size)  # mini-batches per pass, as the settings planned them
+        trajectories = n if self.trajectory is None else int(self.trajectory_starts().sum())
+        if trajectories != plan.rows_per_round:  # the settings fix a round's size; a mismatch is a bug
+            raise RuntimeError(f"the round has {trajectories} trajectories, {plan.rows_per_round} were planned")
         minis = [
             mini
-            for order in (torch.randperm(n, generator=generator) for _ in range(num_iterations))
-            for mini in (order.split(mini_batch_size) if n == planned else order.tensor_split(steps))
+            for order in (torch.randperm(n, generator=generator) for _ in range(plan.num_iterations))
+            for mini in order.tensor_split(plan.mini_batches_per_pass)
         ]
         tokens = torch.stack([loss_mask[mini.to(loss_mask.device)].sum() for mini in minis]).float()
         counts = torch.tensor([float(len(mini)) for mini in minis], device=tokens.device)
@@ -236,11 +235,10 @@ class RolloutBatch:
         if sum_across_ranks is not None:
             totals = sum_across_ranks(totals)
         lengths = self.completion_mask.sum(1).cpu() if balance_tokens else None
+        parts = plan.micro_batches_per_step
         out = []
         for mini, num_items, num_rows in zip(minis, *totals.cpu()):
-            parts = max((len(mini) if n == planned else mini_batch_size) // micro_batch_size, 1)
-            split = mini.split(micro_batch_size) if n == planned else mini.tensor_split(parts)
-            for rows in balanced_split(mini, parts, lengths) if lengths is not None else split:
+            for rows in balanced_split(mini, parts, lengths) if lengths is not None else mini.tensor_split(parts):
                 batch = self.tensors(rows.to(loss_mask.device))
                 batch["num_items"], batch["num_rows"] = num_items, num_rows
                 out.append(batch)

@@ -1,6 +1,7 @@
 """``RolloutCollector``: one rollout round, from the policy's weights to the micro-batches the update trains on.
 
-It owns what samples and scores a round: the engine, the scorer, the environment, the round's settings, this
+It owns what samples and scores a round: the engine, the scorer, the rollout kind (``data.environment``,
+``rollout/kind.py``), the round's settings, this
 rank's sampling generator and, at ``data.rollout_lag`` > 0, the background process and its schedule. Its public
 surface is small:
 
@@ -31,18 +32,19 @@ from torch import Tensor
 from grpo_lightning.config import AdvantageConfig, ConfigError, SamplingConfig
 from grpo_lightning.config_checks import check_accumulation, check_weights_can_leave
 from grpo_lightning.engines import RolloutEngine, build_engine
-from grpo_lightning.environments.base import Environment
 from grpo_lightning.lora import is_peft_model
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.batch import RolloutBatch
+from grpo_lightning.rollout.kind import RolloutKind
 from grpo_lightning.rollout.policy_side import PolicySide
 from grpo_lightning.rollout.prompts import PromptEncoder
 from grpo_lightning.rollout.round import RoundSettings, SampledRound, finish_round, sample_round
+from grpo_lightning.rollout.sample_and_score import rollout_kind
 from grpo_lightning.rollout.schedule import BackgroundRollouts, policy_state
 from grpo_lightning.rollout.stream import PromptStream
 from grpo_lightning.rollout.worker import WorkerSpec
 from grpo_lightning.strategies import gather_per_rank
-from grpo_lightning.vision.engines import check_vision_run
+from grpo_lightning.update_plan import plan_update
 
 
 class RoundPrompts(Protocol):
@@ -66,14 +68,14 @@ class RoundPrompts(Protocol):
 
 
 class RolloutCollector:
-    """Samples, scores and prepares one round; owns the engine, scorer, environment and lag schedule."""
+    """Samples, scores and prepares one round; owns the engine, scorer, rollout kind and lag schedule."""
 
     def __init__(
         self,
         *,
         engine: str | RolloutEngine,
         scorer: Scorer,
-        environment: Environment | None,
+        environment: RolloutKind | None,
         sampling: SamplingConfig,
         advantage: AdvantageConfig,
         prompts_per_round: int,
@@ -94,12 +96,16 @@ class RolloutCollector:
     ) -> None:
         """The settings are ``RolloutDataModule``'s of the same names (its docstring says what each does)."""
         self.engine = build_engine(engine)  # an unknown name is refused now, before any model loads
-        self.scorer, self.environment = scorer, environment
+        self.scorer, self.environment = scorer, rollout_kind(environment)  # None: single-turn sampling
         self.sampling, self.advantage = sampling, advantage
         advantage.check_round(sampling.group_size, process_rewards=bool(scorer.process))  # k <= G, outcome rewards
-        self.prompts_per_round, self.num_iterations = prompts_per_round, num_iterations
-        self.mini_batch_size = mini_batch_size or self.rollout_size
-        self.micro_batch_size = micro_batch_size or self.mini_batch_size
+        self.plan = plan_update(  # the update half of every round: μ passes × mini-batches × micro-batches
+            prompts_per_round=prompts_per_round,
+            group_size=sampling.group_size,
+            num_iterations=num_iterations,
+            mini_batch_size=mini_batch_size,
+            micro_batch_size=micro_batch_size,
+        )
         self.pack_tokens, self.balance_micro_batches = pack_tokens, balance_micro_batches
         self.old_logprobs, self.mask_truncated_completions = old_logprobs, mask_truncated_completions
         self.dynamic_sampling, self.max_sampling_rounds = dynamic_sampling, max_sampling_rounds
@@ -123,17 +129,13 @@ class RolloutCollector:
     def check_before_fit(self) -> None:
         """Refuse, in one line and before any prompt or model loads, a run these settings cannot train: weights
         that cannot leave the strategy for the engine, batch sizes the Trainer's accumulation does not fit, a
-        temperature the teacher cannot score at, what a vision model cannot do yet, no learning signal at all."""
+        temperature the teacher cannot score at, what the policy's modality cannot take (a vision model's images on an
+        engine that takes none, ``Modality.check_run``), no learning signal at all."""
         trainer = self._trainer
         check_weights_can_leave(trainer.strategy, self.engine, self.rollout_lag)
-        check_accumulation(
-            trainer.accumulate_grad_batches,
-            rollout=self.rollout_size,
-            mini=self.mini_batch_size,
-            micro=self.micro_batch_size,
-        )
+        check_accumulation(trainer.accumulate_grad_batches, self.plan)
         policy = self.policy  # after the strategy's checks, which need no model
-        rewards_teach = self.environment is not None or any(spec.weight for spec in self.scorer.specs)
+        rewards_teach = self.environment.gives_rewards or any(spec.weight for spec in self.scorer.specs)
         policy.check_teacher(self.sampling.temperature, rewards_teach)  # and a weight schedule that stops it
         if self.sampling.group_size == 1 and (rewards_teach or policy.distillation_weight is None):
             raise ConfigError(
@@ -145,8 +147,8 @@ class RolloutCollector:
                 "data.dynamic_sampling drops every group whose rewards tie, and a group of one always ties: set "
                 "data.dynamic_sampling false with data.sampling.group_size 1"
             )
-        check_vision_run(policy.tokenizer, self.engine, self.environment)
-        if not self.scorer.specs and self.environment is None and policy.distillation_weight is None:
+        policy.modality.check_run(self.engine, self.environment)
+        if not self.scorer.specs and not self.environment.gives_rewards and policy.distillation_weight is None:
             raise ConfigError(
                 "data.rewards is empty and neither model.teacher nor data.environment gives a learning signal: "
                 "name a reward (e.g. [{name: exact_answer}]) or set model.teacher"
@@ -157,20 +159,6 @@ class RolloutCollector:
         if self._policy is None:
             raise RuntimeError("the rollout collector is not connected to a policy: call connect() first")
         return self._policy
-
-    @property
-    def rollout_size(self) -> int:
-        """Completions per rank per round (fixed, also with dynamic sampling)."""
-        return self.prompts_per_round * self.sampling.group_size
-
-    @property
-    def optimizer_steps(self) -> int:
-        """Optimizer steps per round: μ passes × mini-batches per pass."""
-        return self.num_iterations * (self.rollout_size // self.mini_batch_size)
-
-    @property
-    def micro_batches_per_round(self) -> int:
-        return self.optimizer_steps * (self.mini_batch_size // self.micro_batch_size)
 
     def context_limit(self) -> tuple[int | None, str]:
         """The longest prompt + completion a round can take, and what sets it (for the data's check before
@@ -190,7 +178,7 @@ class RolloutCollector:
         return RoundSettings(
             sampling=self.sampling,
             advantage=self.advantage,
-            optimizer_steps=self.optimizer_steps,
+            optimizer_steps=self.plan.optimizer_steps,
             old_logprobs=self.old_logprobs,
             engine_logprobs_exact=full_precision and self.engine.logprobs_match_policy(self.policy.policy),
             importance_correction=not self.engine.shares_weights,
@@ -248,14 +236,12 @@ class RolloutCollector:
         if self.background is not None:
             rollout.metrics["rollout/lag"] = float(round_index - sampled.version)
         batches = rollout.micro_batches(  # 8. μ shuffled passes × mini-batches (steps) × micro-batches (forwards)
-            micro_batch_size=self.micro_batch_size,
-            mini_batch_size=self.mini_batch_size,
-            num_iterations=self.num_iterations,
+            self.plan,
             generator=torch.Generator().manual_seed(self.seed + prompts.stream.position),
             sum_across_ranks=(lambda t: gather(t).sum(0)) if gather is not None else None,
             balance_tokens=self.balance_micro_batches,
         )
-        batches[0]["rollout_metrics"] = rollout.metrics  # logged once per round by the module
+        policy.receive_round(self.plan, rollout.metrics)  # 9. the round's record: the module logs it, once
         return rollout, batches
 
     def _collectives(self) -> tuple[Callable[[Tensor], Tensor] | None, Callable[[Any], list[Any]] | None]:
@@ -270,7 +256,7 @@ class RolloutCollector:
         """The engine, set up on the policy (again if the module built a new one, e.g. a second ``fit``)."""
         policy = self.policy
         if self.engine.policy is not policy.policy:
-            self.engine.setup(policy.policy, policy.tokenizer)
+            self.engine.setup(policy.policy, policy.tokenizer, policy.modality)
         return self.engine
 
     def push_weights(self) -> float | None:
@@ -354,7 +340,7 @@ class RolloutCollector:
         generator = self.generator.get_state() if self.generator is not None else self._generator_state
         state: dict[str, Any] = {"sampling_generator": generator}
         if self.background is not None:
-            state["background"] = self.background.state_dict(self._prompts.stream)
+            state["background"] = self.background.state_dict(self._prompts.stream, self.policy.modality)
         return state
 
     def restore_rank(self, generator_state: Tensor | None, background: dict[str, Any] | None) -> None:

@@ -30,19 +30,19 @@ from torch.utils.data import DataLoader
 
 from grpo_lightning.config import ConfigError, EvalConfig, SamplingConfig
 from grpo_lightning.engines import RolloutEngine
-from grpo_lightning.environments.base import Environment
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.held_out import HeldOutSampler, held_out_loader
+from grpo_lightning.rollout.kind import RolloutKind
 from grpo_lightning.rollout.prompts import (
     PromptEncoder,
     check_chat_settings,
     check_prompt_rows,
     is_local_file,
     load_prompts,
+    prompt_encoder,
     rename_prompt_column,
 )
-from grpo_lightning.vision.encoder import VisionPromptEncoder
-from grpo_lightning.vision.models import processor_of
+from grpo_lightning.rollout.sample_and_score import rollout_kind
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class PromptData:
         self.chat_template_kwargs: dict[str, Any] = dict(kwargs or {})
 
     def held_out_loader(
-        self, data: Dataset, engine: Callable[[], RolloutEngine], environment: Environment | None = None
+        self, data: Dataset, engine: Callable[[], RolloutEngine], environment: RolloutKind | None = None
     ) -> DataLoader:
         """``data`` (held-out rows) generated and scored batch by batch on this rank (``rollout/held_out.py``), by the
         data module's ``scorer``, ``sampling``, ``eval`` and ``seed``; ``engine()``: the engine on the current
@@ -213,13 +213,11 @@ class PromptData:
 
     def encoder(self, tokenizer: Any = None) -> PromptEncoder:
         """The prompts' encoder for ``tokenizer`` (default: the policy's), with this module's chat settings; a
-        vision-language model's (its tokenizer carries its processor) encodes the rows' images too."""
+        the policy's modality's (``rollout/prompts.py: prompt_encoder``: a vision-language model's encodes the rows'
+        images too)."""
         tokenizer = self.policy_side.tokenizer if tokenizer is None else tokenizer
         settings = {"system_prompt": self.system_prompt, "chat_template_kwargs": self.chat_template_kwargs}
-        processor = processor_of(tokenizer)
-        if processor is not None:
-            return VisionPromptEncoder(tokenizer, processor, self.use_chat_template, **settings)
-        return PromptEncoder(tokenizer, self.use_chat_template, **settings)
+        return prompt_encoder(self.policy_side.modality, tokenizer, self.use_chat_template, **settings)
 
 
 def checked_rows(
@@ -229,7 +227,7 @@ def checked_rows(
     prompt_column: str,
     encoder: PromptEncoder,
     scorer: Scorer,
-    environment: Environment | None = None,
+    environment: RolloutKind | None = None,
     context_length: int | None = None,
     max_new_tokens: int = 0,
     context_name: str = "the model's context",
@@ -239,17 +237,16 @@ def checked_rows(
     fit the context with ``max_new_tokens`` as the model is given it (``check_prompt_rows``)."""
     data = rename_prompt_column(data, prompt_column, where)
     scorer.check_columns(data.column_names, where)
-    needed = environment.required_columns() if environment is not None else ()
+    kind = rollout_kind(environment)  # None: single-turn sampling, which reads no column and lists no tools
+    needed = kind.required_columns()
     missing = [column for column in needed if column not in data.column_names]
     if missing:
         raise ConfigError(f"{where} has no column {missing[0]!r}, which data.environment reads")
-    tools = None
-    if environment is not None:
-        environment.check_rows(data, where)
-        # The prompts list them: their lengths count. A row's tools depend on the columns the environment reads.
-        reads = data.select_columns(list(needed)) if needed else [{}] * len(data)
-        tools = [environment.prompt_tools(row) for row in reads]
-        tools = tools if any(tools) else None
+    kind.check_rows(data, where)
+    # The prompts list them: their lengths count. A row's tools depend on the columns the rollout kind reads.
+    reads = data.select_columns(list(needed)) if needed else [{}] * len(data)
+    tools = [kind.prompt_tools(row) for row in reads]
+    tools = tools if any(tools) else None
     check_prompt_rows(
         data,
         where,

@@ -30,7 +30,6 @@ from torch.utils.data import DataLoader
 from grpo_lightning.config import AdvantageConfig, ConfigError, EvalConfig, SamplingConfig
 from grpo_lightning.config_checks import check_ranges, check_round_settings
 from grpo_lightning.engines import RolloutEngine
-from grpo_lightning.environments.base import Environment, check_environment
 from grpo_lightning.rewards import RewardSpec
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.batch import LazyRound, RolloutBatch
@@ -38,9 +37,10 @@ from grpo_lightning.rollout.checkpoint_timing import check_checkpoint_timing
 from grpo_lightning.rollout.collector import RolloutCollector
 from grpo_lightning.rollout.curriculum import CurriculumConfig, CurriculumSampler
 from grpo_lightning.rollout.data_sources import PromptData, checked_rows
-from grpo_lightning.rollout.multiturn import setup_environment
+from grpo_lightning.rollout.kind import RolloutKind, check_rollout_kind
 from grpo_lightning.rollout.policy_side import PolicySide
 from grpo_lightning.rollout.prompts import load_prompts, prompt_key, prompts_as_keys  # noqa: F401 - load_prompts: kept
+from grpo_lightning.rollout.sample_and_score import rollout_kind
 from grpo_lightning.rollout.stream import PromptStream
 from grpo_lightning.strategies import gather_per_rank
 
@@ -68,7 +68,7 @@ class RolloutDataModule(PromptData, LightningDataModule):
         reward_on_error: Literal["raise", "zero"] = "raise",
         reward_timeout_s: float | None = None,
         engine: str | RolloutEngine = "auto",
-        environment: Environment | None = None,
+        environment: RolloutKind | None = None,
         sampling: SamplingConfig | None = None,
         advantage: AdvantageConfig | None = None,
         prompts_per_round: int = 16,
@@ -116,6 +116,7 @@ class RolloutDataModule(PromptData, LightningDataModule):
                 ``grpo_lightning.environments.Environment`` (e.g. ``ToolEnvironment``: tool calls answered across
                 turns, ``max_turns`` and per-turn limits among its settings); ``sampling.max_new_tokens`` then
                 limits everything after the prompt, turns and observations together. None: one completion each.
+                Any ``grpo_lightning.rollout.kind.RolloutKind`` (an agent environment, a user's class) is taken.
             sampling: rollout sampling settings (group size G, lengths, temperature, top-p, top-k).
             advantage: how rewards become advantages (baseline, std scaling).
             prompts_per_round: prompts per rank per round; the rollout has ``prompts_per_round × G`` completions.
@@ -161,10 +162,10 @@ class RolloutDataModule(PromptData, LightningDataModule):
         self.scorer = Scorer(
             rewards, accuracy_reward=accuracy_reward, on_error=reward_on_error, timeout_s=reward_timeout_s
         )
-        self.environment = check_environment(environment)
-        if self.environment is not None:  # its frames (a tool result's) are rendered as the prompts are
-            self.environment.chat_template_kwargs = self.chat_template_kwargs
-        if self.environment is not None and self.scorer.process:
+        self.environment = check_rollout_kind(environment)  # as given (None: single-turn sampling)
+        self.rollout_kind = rollout_kind(self.environment)  # what the round and the checks ask
+        self.rollout_kind.set_chat_template_kwargs(self.chat_template_kwargs)  # its frames render as the prompts do
+        if not self.rollout_kind.takes_process_rewards and self.scorer.process:
             raise ConfigError(
                 "data.environment: process rewards (step rewards) do not combine with multi-turn rollouts yet; "
                 "use outcome rewards, which score each trajectory's final turn"
@@ -225,7 +226,7 @@ class RolloutDataModule(PromptData, LightningDataModule):
     @property
     def rollout_size(self) -> int:
         """Completions per rank per round (fixed, also with dynamic sampling)."""
-        return self.collector.rollout_size
+        return self.collector.plan.rows_per_round
 
     @property
     def position(self) -> int:
@@ -265,13 +266,12 @@ class RolloutDataModule(PromptData, LightningDataModule):
             check_checkpoint_timing(
                 self.trainer,
                 lag=self.rollout_lag,
-                round_batches=collector.micro_batches_per_round,
+                round_batches=collector.plan.micro_batches_per_round,
                 held_out=self.val_data is not None,
             )
 
     def _checked(self, data: Dataset, where: str) -> Dataset:
-        if self.environment is not None:  # a chat format it cannot tell, a limit its frame does not fit: now
-            setup_environment(self.environment, self.policy_side.tokenizer)
+        self.rollout_kind.bind(self.policy_side.tokenizer)  # a chat format it cannot tell, a limit unkept: now
         context, context_name = self.collector.context_limit()
         return checked_rows(
             data,
@@ -279,7 +279,7 @@ class RolloutDataModule(PromptData, LightningDataModule):
             prompt_column=self.prompt_column,
             encoder=self.encoder(),
             scorer=self.scorer,
-            environment=self.environment,
+            environment=self.rollout_kind,
             context_length=context,
             max_new_tokens=self.sampling.max_new_tokens,
             context_name=context_name,
@@ -295,20 +295,18 @@ class RolloutDataModule(PromptData, LightningDataModule):
         """The collector lets go of the engine's memory and stops the background process of a lag; the environment
         closes its sessions and any server the run started."""
         self.collector.close()
-        if self.environment is not None:
-            self.environment.close()
+        self.rollout_kind.close()
 
     def on_exception(self, exception: BaseException) -> None:
         """A run that fails stops its background rollout process too (Lightning runs no teardown after an error;
         the process would otherwise wait, idle, until this one ends)."""
         if self.collector.background is not None:
             self.collector.background.close()
-        if self.environment is not None:  # a server the run started stops now, not at the interpreter's exit
-            self.environment.close()
+        self.rollout_kind.close()  # a server the run started stops now, not at the interpreter's exit
 
     # ----------------------------------------------------------------------------------------- loaders
     def train_dataloader(self) -> DataLoader:
-        count = self.collector.micro_batches_per_round
+        count = self.collector.plan.micro_batches_per_round  # the round's forwards (``update_plan.py``)
         # The batches are ready-made: no sampler, no worker processes, nothing for Lightning to re-split. A
         # generator of its own: creating an iterator draws a seed, and from the global RNG that draw would differ
         # between a resumed run and an uninterrupted one (Lightning creates one iterator fewer on resume).
@@ -327,7 +325,7 @@ class RolloutDataModule(PromptData, LightningDataModule):
     def _eval_loader(self) -> DataLoader:
         if self.val_data is None:
             raise self.sources.no_held_out_error()
-        return self.held_out_loader(self.val_data, self.collector.evaluation_engine, self.environment)
+        return self.held_out_loader(self.val_data, self.collector.evaluation_engine, self.rollout_kind)
 
     # ------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -22,10 +22,10 @@ from datasets import Dataset
 from torch.utils.data import DataLoader
 
 from grpo_lightning.config import EvalConfig, SamplingConfig
-from grpo_lightning.engines import RolloutEngine
-from grpo_lightning.environments.base import Environment
+from grpo_lightning.engines import RolloutEngine, SamplingParams
 from grpo_lightning.metrics import resolve_answer_fn
 from grpo_lightning.rewards.scorer import Scorer
+from grpo_lightning.rollout.kind import RolloutKind
 from grpo_lightning.rollout.policy_side import PolicySide
 from grpo_lightning.rollout.prompts import PromptEncoder
 from grpo_lightning.rollout.sample_and_score import sample_and_score
@@ -53,10 +53,10 @@ class HeldOutSampler:
         config: EvalConfig,
         seed: int,
         rank: int = 0,
-        environment: Environment | None = None,
+        environment: RolloutKind | None = None,
     ) -> None:
         self.module, self.engine, self.encoder, self.scorer = module, engine, encoder, scorer
-        self.environment = environment  # multi-turn: held-out trajectories run against it too
+        self.environment = environment  # the round's rollout kind (None: single-turn): held-out rows use it too
         self.sampling, self.config, self.seed, self.rank = sampling, config, seed, rank
         self.answer_fn = resolve_answer_fn(config.answer_fn)
 
@@ -81,7 +81,9 @@ class HeldOutSampler:
             "environment": self.environment,
         }
         with torch.no_grad(), module.rollout_context():
-            greedy = sample_and_score(columns, params=self.sampling.params(greedy=True, group_size=1), **common)
+            greedy = sample_and_score(
+                columns, params=SamplingParams.from_config(self.sampling, greedy=True, group_size=1), **common
+            )
             # An agent's session may make several rows: per trajectory, the row whose text the rewards scored.
             greedy = greedy.per_trajectory()
             out: dict[str, Any] = {
@@ -95,7 +97,9 @@ class HeldOutSampler:
                 return out
             seed = self.seed + 1_000_003 * (self.rank + 1) + rows[0][0]
             generator = torch.Generator(device=module.device).manual_seed(seed)
-            params = self.sampling.params(group_size=k, temperature=self.config.temperature, min_new_tokens=0)
+            params = SamplingParams.from_config(
+                self.sampling, group_size=k, temperature=self.config.temperature, min_new_tokens=0
+            )
             samples = sample_and_score(columns, params=params, generator=generator, **common).per_trajectory()
         out["sample_reward"] = samples.rewards.float()
         out["sample_length"] = samples.completion_mask.sum(-1).float()

@@ -1,5 +1,9 @@
 """Multi-turn rollouts in token space: policy turns and environment observations, concatenated as token ids.
 
+``environment_rollout`` is an environment's rollout kind (``Environment.rollout``, ``rollout/kind.py``): the
+trajectories below, scored on their final turns through the core's ``score_completions`` with the environment's
+reward parts as reward columns. What it asks of an environment is ``turn_tokens.TurnEnvironment``.
+
 ``generate_trajectories`` runs G trajectories per prompt against copies of ``data.environment``:
 
     1. the first turn is sampled from the prompts with the engine's group sampling (one prefill per prompt);
@@ -52,13 +56,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import grpo_lightning.environments.stops as stops
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams
 from grpo_lightning.engines.continuation import GenerationSession
-from grpo_lightning.environments import stops
-from grpo_lightning.environments.base import Environment, Step
+from grpo_lightning.rewards.scorer import Scorer
+from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.rollout.prompts import PromptEncoder
-from grpo_lightning.rollout.turn_tokens import left_padded, observation_ids, observations_ids, right_padded
-from grpo_lightning.vision.encoder import VisionPromptEncoder
+from grpo_lightning.rollout.sample_and_score import score_completions
+from grpo_lightning.rollout.turn_tokens import (
+    TurnEnvironment,
+    left_padded,
+    observation_ids,
+    observations_ids,
+    right_padded,
+)
 
 
 @dataclass
@@ -80,7 +91,7 @@ class Trajectories:
 
 @dataclass
 class _Trajectory:
-    env: Environment
+    env: TurnEnvironment
     prompt: list[int]
     source: Any  # the prompt before tokens: the row's, or the environment's (``trajectory_prompt``)
     vision: dict[str, Tensor] | None = None  # its row's image inputs (a vision-language model's prompt)
@@ -109,13 +120,69 @@ class _Trajectory:
         self.policy_logprobs += policy_logprobs if policy_logprobs is not None else [0.0] * len(ids)
 
 
-def setup_environment(environment: Environment, tokenizer: Any) -> None:
+def environment_rollout(
+    environment: TurnEnvironment,
+    rows: dict[str, list[Any]],
+    *,
+    engine: RolloutEngine,
+    encoder: PromptEncoder,
+    scorer: Scorer,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    return_logprobs: bool = False,
+    device: torch.device | str = "cpu",
+    timings: dict[str, float] | None = None,
+) -> RolloutBatch:
+    """An environment's rollout (``Environment.rollout``, ``rollout/kind.py``): ``generate_trajectories``, scored
+    through ``score_completions`` on each trajectory's final turn, with the environment's reward parts as reward
+    columns (each weighed by ``reward_weights``); the rows keep which tokens were the policy's (``action_mask``),
+    the transcripts and the turns' counts."""
+    start = time.perf_counter()
+    trajectories = generate_trajectories(
+        rows,
+        engine=engine,
+        encoder=encoder,
+        environment=environment,
+        params=params,
+        generator=generator,
+        return_logprobs=return_logprobs,
+        device=device,
+    )
+    if timings is not None:
+        timings["generate"] = timings.get("generate", 0.0) + time.perf_counter() - start
+        timings["environment"] = timings.get("environment", 0.0) + trajectories.environment_s
+    batch = score_completions(
+        rows,
+        trajectories.completions,
+        trajectories.final_texts,
+        encoder=encoder,
+        scorer=scorer,
+        params=params,
+        policy_lengths=trajectories.action_mask.sum(-1).tolist(),
+        # An environment may have changed a trajectory's prompt (TRL's: reset's text in its last message): the
+        # rewards see each trajectory's own, as TRL's do.
+        scored_prompts=trajectories.prompts,
+        columns={
+            "transcripts": trajectories.transcripts,  # every turn, for rewards that judge the tool use
+            "environments": trajectories.environments,  # each trajectory's environment, as TRL passes them
+        },
+        parts={f"env_{name}": values for name, values in trajectories.env_rewards.items()},
+        part_weights={f"env_{name}": weight for name, weight in environment.reward_weights().items()},
+        vision=trajectories.vision,
+        timings=timings,
+    )
+    batch.action_mask = trajectories.action_mask
+    batch.transcripts, batch.turn_stats = trajectories.transcripts, trajectories.stats
+    return batch
+
+
+def setup_environment(environment: TurnEnvironment, tokenizer: Any) -> None:
     """``environment.setup(tokenizer)`` unless it was set up with this tokenizer already."""
-    if getattr(environment, "tokenizer", None) is not tokenizer:
+    if environment.tokenizer is not tokenizer:
         environment.setup(tokenizer)
 
 
-def stop_sequences(environment: Environment, tokenizer: Any) -> tuple[tuple[int, ...], ...]:
+def stop_sequences(environment: TurnEnvironment, tokenizer: Any) -> tuple[tuple[int, ...], ...]:
     """The token sequences of the environment's stop texts, for the engine's early stop (``stops.stop_sequences``:
     alone and in context; the text rule stays the rule)."""
     return stops.stop_sequences(environment.stop_texts, tokenizer)
@@ -129,10 +196,10 @@ def cut_at_stop_text(ids: list[int], stop_texts: tuple[str, ...], tokenizer: Any
 
 def end_token_ids(engine: RolloutEngine, tokenizer: Any) -> tuple[int, ...]:
     """The ids that end a turn: the engine's ``eos_token_ids`` (set by its ``setup``), else the tokenizer's EOS."""
-    return tuple(getattr(engine, "eos_token_ids", ()) or ()) or (tokenizer.eos_token_id,)
+    return tuple(engine.eos_token_ids) or (tokenizer.eos_token_id,)
 
 
-def step_environments(environments: list[Environment], turns: list[str], max_workers: int = 1) -> list[Step]:
+def step_environments(environments: list[TurnEnvironment], turns: list[str], max_workers: int = 1) -> list[Any]:
     """``environments[i].step(turns[i])`` for each i, in order. One at a time in this thread when ``max_workers`` is
     1 (an environment that times its calls with SIGALRM, ``ToolEnvironment``, needs the main thread); else at most
     ``max_workers`` at once in a thread pool, for environments that wait on a server or a process (an environment's
@@ -150,7 +217,7 @@ def generate_trajectories(
     *,
     engine: RolloutEngine,
     encoder: PromptEncoder,
-    environment: Environment,
+    environment: TurnEnvironment,
     params: SamplingParams,
     generator: torch.Generator | None = None,
     return_logprobs: bool = False,
@@ -159,8 +226,9 @@ def generate_trajectories(
     """``params.group_size`` trajectories (one when greedy) per prompt of ``rows``; see the module docstring."""
     # An engine that continues from its kept KV cache does so across this rollout's turns, and only here: the
     # session is closed when the rollout ends, before any weight update (``engines/continuation.py``).
-    # A vision-language model's turns are prefilled whole, with their images (its cache holds M-RoPE offsets).
-    keeps = getattr(engine, "supports_continuation", False) and not isinstance(encoder, VisionPromptEncoder)
+    # A vision-language model's turns are prefilled whole, with their images (its cache holds M-RoPE offsets): its
+    # encoder says so (``PromptEncoder.continues_token_exact``).
+    keeps = engine.supports_continuation and encoder.continues_token_exact
     session = engine.open_session() if keeps else None
     try:
         return _generate(rows, engine, encoder, environment, params, generator, return_logprobs, device, session)
@@ -173,7 +241,7 @@ def _generate(
     rows: dict[str, list[Any]],
     engine: RolloutEngine,
     encoder: PromptEncoder,
-    environment: Environment,
+    environment: TurnEnvironment,
     params: SamplingParams,
     generator: torch.Generator | None,
     return_logprobs: bool,
@@ -203,11 +271,10 @@ def _generate(
             first = trajectory.env.reset(row)
             own, tools = trajectory.env.trajectory_prompt(row["prompt"]), trajectory.env.prompt_tools(row)
             if tools or own is not row["prompt"]:
-                if isinstance(encoder, VisionPromptEncoder):
-                    # its images' tokens too, and image inputs that know this prompt: vLLM is given it unexpanded
-                    trajectory.prompt, trajectory.vision = encoder.trajectory_inputs(own, tools, row)
-                else:
-                    trajectory.prompt = encoder.trajectory_ids(own, tools, row)
+                # A vision-language model's: its images' tokens too, and image inputs that know this prompt (vLLM
+                # is given it unexpanded); a text model's: the ids alone (its inputs None: the row's kept).
+                trajectory.prompt, inputs = encoder.trajectory_inputs(own, tools, row)
+                trajectory.vision = trajectory.vision if inputs is None else inputs
                 trajectory.source, rendered = own, True
             if first:
                 observed = observation_ids(environment, first, tokenizer)
@@ -276,8 +343,7 @@ def _generate(
             trajectory.final_text, trajectory.turns = text, trajectory.turns + 1
             sampled.append((trajectory, text, ended, stopped))
         start = time.perf_counter()
-        workers = getattr(environment, "max_concurrency", 1)  # OpenEnv's, skyrl-gym's setting; others: 1
-        steps = step_environments([t[0].env for t in sampled], [t[1] for t in sampled], workers)
+        steps = step_environments([t[0].env for t in sampled], [t[1] for t in sampled], environment.max_concurrency)
         env_seconds += time.perf_counter() - start
         going: list[tuple[_Trajectory, str | None]] = []  # trajectories that go on, and their observations
         for (trajectory, _, ended, stopped), step in zip(sampled, steps):

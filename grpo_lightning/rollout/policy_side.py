@@ -2,7 +2,8 @@
 
 The data side generates; the LightningModule owns the policy. The rollout collector and held-out evaluation read,
 through ``trainer.lightning_module``, only what ``PolicySide`` lists: the policy and tokenizer to sample from,
-the context a rollout runs in (precision, gathered shards) and the log-prob passes of π_old and π_ref. Everything
+the context a rollout runs in (precision, gathered shards) and the log-prob passes of π_old and π_ref; and it hands
+the module each round's record by name (``receive_round``: the update's plan and the rollout's metrics). Everything
 else a round needs (rewards, G, μ, advantages, the engine) is the data side's own setting.
 """
 
@@ -15,7 +16,9 @@ import torch
 from torch import Tensor, nn
 
 from grpo_lightning.engines import RolloutEngine, build_engine
+from grpo_lightning.modality import Modality
 from grpo_lightning.rollout.batch import RolloutBatch
+from grpo_lightning.update_plan import UpdatePlan
 
 
 class PolicySide(Protocol):
@@ -23,6 +26,9 @@ class PolicySide(Protocol):
 
     policy: nn.Module
     tokenizer: Any
+    modality: Modality
+    """What the policy's rows add to their token ids (``grpo_lightning/modality.py``): the prompt encoder, every
+    pass and engine take the rows' inputs through it."""
     device: torch.device
     global_step: int
     has_reference: bool
@@ -60,6 +66,13 @@ class PolicySide(Protocol):
         schedule stops it where no reward teaches (``rewards_teach`` false); nothing without one."""
         ...
 
+    def receive_round(self, plan: UpdatePlan, metrics: dict[str, float]) -> None:
+        """The round the data side has just prepared: the plan its micro-batches follow (μ passes × mini-batches ×
+        micro-batches, ``update_plan.py``) and what its rollout measured (``rollout/``, ``reward/``, ``time/``, ...),
+        which the module logs once, with the round's first micro-batch trained. Called by ``RolloutCollector.collect``
+        only (held-out evaluation, which ``SFTModule`` takes part in, never calls it)."""
+        ...
+
 
 class EngineHandle:
     """The engine of ``data.engine`` for evaluation alone (``SFTDataModule``; a GRPO run's belongs to its
@@ -72,7 +85,7 @@ class EngineHandle:
     def get(self, module: PolicySide) -> RolloutEngine:
         """The engine, sampling from ``module.policy``."""
         if self.engine.policy is not module.policy:
-            self.engine.setup(module.policy, module.tokenizer)
+            self.engine.setup(module.policy, module.tokenizer, module.modality)
         return self.engine
 
     def current(self, module: PolicySide) -> RolloutEngine:

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from grpo_lightning.config import ConfigError
 from grpo_lightning.config_checks import check_prompts
+from grpo_lightning.modality import TEXT, Modality
 from grpo_lightning.tasks import is_task, load_task
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -153,6 +154,11 @@ def _clean(message: Mapping[str, Any]) -> dict[str, Any]:
 class PromptEncoder:
     """Prompts (strings or conversations) to left-padded token ids, through the chat template when used, and back."""
 
+    continues_token_exact: bool = True
+    """A multi-turn rollout may continue a trajectory from the engine's kept keys and values (its new tokens alone
+    prefilled: ``engines/continuation.py``); a vision-language model's encoder says no (its cache holds M-RoPE
+    offsets: each turn is prefilled whole, with its images)."""
+
     def __init__(
         self,
         tokenizer: Any,
@@ -160,6 +166,7 @@ class PromptEncoder:
         *,
         system_prompt: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        modality: Modality = TEXT,
     ) -> None:
         """
         Args:
@@ -169,7 +176,10 @@ class PromptEncoder:
             system_prompt: a system message put first in every prompt that has none (needs the chat template).
             chat_template_kwargs: further arguments of ``tokenizer.apply_chat_template`` (the template's
                 variables, e.g. Qwen3's ``enable_thinking: false``).
+            modality: the policy's (``grpo_lightning/modality.py``): what the rows' inputs are, how they repeat for
+                a group, which engines can take them. Text here; another modality's encoder passes its own.
         """
+        self.modality = modality
         check_chat_settings(use_chat_template, system_prompt, chat_template_kwargs)
         has_template = bool(getattr(tokenizer, "chat_template", None))
         if use_chat_template is True and not has_template:
@@ -209,8 +219,9 @@ class PromptEncoder:
     def encode_rows(
         self, rows: Mapping[str, list[Any]], device: torch.device | str = "cpu"
     ) -> tuple[Tensor, Tensor, list[dict[str, Tensor]] | None]:
-        """``encode`` of a round's ``rows`` (a dict of columns with ``prompt``), and each row's image inputs: None
-        here; a vision-language model's encoder (``vision/encoder.py``) reads the rows' images."""
+        """``encode`` of a round's ``rows`` (a dict of columns with ``prompt``), and each row's inputs beyond its ids
+        (``modality.Rows``): None here; another modality's encoder (a vision-language model's: ``vision/encoder.py``)
+        makes them."""
         prompt_ids, prompt_mask = self.encode(rows["prompt"], device)
         return prompt_ids, prompt_mask, None
 
@@ -245,6 +256,13 @@ class PromptEncoder:
         ids; ``row``: its dataset row (a vision-language model's encoder expands the row's images in it)."""
         return self.text_token_ids([self.render(prompt, tools)])[0]
 
+    def trajectory_inputs(
+        self, prompt: Prompt, tools: list[dict[str, Any]] | None, row: Mapping[str, Any]
+    ) -> tuple[list[int], Any]:
+        """``trajectory_ids`` and the trajectory's own inputs beyond its ids: None here (the row's are kept); a
+        vision-language model's encoder gives image inputs that know this prompt."""
+        return self.trajectory_ids(prompt, tools, row), None
+
     def rendered_lengths(self, rendered: list[str], data: Any) -> list[int]:
         """Each row of ``data``'s prompt length in tokens, as the model reads it (``rendered``: the prompts'
         texts); a vision-language model's encoder counts each image's expanded tokens."""
@@ -273,6 +291,13 @@ class PromptEncoder:
         """The completions' texts (special tokens, such as EOS, left out)."""
         ids = completion_ids.masked_fill(completion_mask == 0, self.tokenizer.pad_token_id)
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+def prompt_encoder(modality: Modality, tokenizer: Any, use_chat_template: Any, **settings: Any) -> PromptEncoder:
+    """The prompt encoder of ``modality`` for ``tokenizer`` (``Modality.prompt_encoder``), the text one when the
+    modality adds none; ``settings``: ``PromptEncoder``'s chat settings."""
+    encoder = modality.prompt_encoder(tokenizer, use_chat_template, **settings)
+    return encoder if encoder is not None else PromptEncoder(tokenizer, use_chat_template, **settings)
 
 
 def check_chat_settings(use_chat_template: Any, system_prompt: Any, chat_template_kwargs: Any) -> None:

@@ -15,22 +15,16 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor
 
-from grpo_lightning.advantages import (
-    batch_normalized,
-    decoupled_sum,
-    group_advantages,
-    passk_advantages,
-    process_advantages,
-)
+from grpo_lightning.advantage_registry import AdvantageInputs, estimate_advantages
+from grpo_lightning.advantages import distillation_advantages, process_advantages
 from grpo_lightning.config import AdvantageConfig, ConfigError, SamplingConfig
-from grpo_lightning.engines.base import RolloutEngine
-from grpo_lightning.environments.base import Environment
-from grpo_lightning.models.teacher import distillation_advantages
+from grpo_lightning.engines.base import RolloutEngine, SamplingParams
 from grpo_lightning.rewards.combine import column_weight
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.batch import RolloutBatch
+from grpo_lightning.rollout.kind import RolloutKind
 from grpo_lightning.rollout.prompts import PromptEncoder
-from grpo_lightning.rollout.sample_and_score import sample_and_score
+from grpo_lightning.rollout.sample_and_score import rollout_kind, sample_and_score
 
 
 class LogprobFn(Protocol):
@@ -57,8 +51,9 @@ class RoundSettings:
     mask_truncated_completions: bool = False
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 4
-    environment: Environment | None = None
-    """Multi-turn rollouts against this environment (``rollout/multiturn.py``); None = one completion each."""
+    environment: RolloutKind | None = None
+    """The rollout kind (``data.environment``, ``rollout/kind.py``): multi-turn rollouts against an environment, an
+    agent's sessions, ...; None = one completion each (single-turn sampling)."""
     reference: bool = True
     """Whether there is a reference model (β > 0): π_ref's log-probs for the KL term."""
     rollout_lag: int = 0
@@ -173,7 +168,7 @@ def sample_round(
             engine=engine,
             encoder=encoder,
             scorer=scorer,
-            params=settings.sampling.params(),
+            params=SamplingParams.from_config(settings.sampling),
             generator=generator,
             return_logprobs=settings.engine_logprobs,
             device=device,
@@ -206,10 +201,10 @@ def finish_round(
     Both are collectives, None in a single process.
     """
     batch, timings = sampled.batch, dict(sampled.timings)
-    if settings.environment is not None and per_rank is not None:
+    if rollout_kind(settings.environment).names_vary_by_rank and per_rank is not None:
         # An environment's metrics and reward parts are named by what the rank's trajectories did (a tool call):
         # every rank takes the names of all ranks (a count 0, a reward part None where it had none: ``_column``), so
-        # all log the same metrics. Only an environment's names differ; without one, no collective.
+        # all log the same metrics. Only such a kind's names differ (it declares so); otherwise, no collective.
         batch.align_columns(agreed_names(batch.column_names(), per_rank))
     # 4. group-relative advantages, over trajectories: the rows of an agent's session (agents/) take its own
     batch.advantages = batch.trajectory_values(compute_advantages(batch.per_trajectory(), settings, all_gather))
@@ -311,56 +306,29 @@ def refill_informative(
 
 def compute_advantages(
     batch: RolloutBatch, settings: RoundSettings, all_gather: Callable[[Tensor], Tensor] | None = None
-) -> Tensor:
-    """Outcome advantages ``[N]`` (``data.advantage``: group-relative, pass@k or GDPO); per-token ``[N, T]`` when a
-    reward scores steps (outcome part added to each). A row no reward column scores (``unscorable``: every column
-    None, or none at all) is out of its group's baseline and gets 0, whichever estimator."""
+) -> Tensor | None:
+    """Outcome advantages ``[N]`` from the registered estimator and aggregation ``data.advantage`` names
+    (``advantage_registry``: group-relative, pass@k, GDPO, a user's); per-token ``[N, T]`` when a reward scores steps
+    (outcome part added to each). A row no reward column scores (``unscorable``: every column None, or none at all)
+    is out of its group's baseline and gets 0, whichever estimator. None with one sample per prompt."""
     config, group_size = settings.advantage, settings.sampling.group_size
     if group_size == 1:  # no group to compare with: the teacher alone teaches (check_before_fit refuses the rest)
         return None
-    if batch.reward_columns and config.multi_objective_aggregation == "normalize_then_sum":
-        advantages = gdpo_advantages(batch, settings, all_gather)
-    else:  # the weighted totals (all 0 and unscorable without any column: every advantage 0)
-        batch_std = None
-        if config.scale == "batch" and all_gather is not None:
-            rewards = batch.rewards.float()
-            if batch.unscorable is not None:  # NaN: left out of the batch's std, as out of the groups'
-                rewards = torch.where(batch.unscorable, torch.nan, rewards)
-            gathered = all_gather(rewards).flatten()
-            scored = gathered[~gathered.isnan()]  # none: no row of any rank is scored, every advantage is 0
-            batch_std = scored.std(unbiased=config.std == "sample") if scored.numel() else scored.new_zeros(())
-        scorable = ~batch.unscorable if batch.unscorable is not None else None
-        options = {"scale": config.scale, "eps": config.eps, "batch_std": batch_std, "std": config.std}
-        if config.estimator == "passk":
-            advantages = passk_advantages(batch.rewards, group_size, config.k, scorable=scorable, **options)
-        else:
-            advantages = group_advantages(
-                batch.rewards, group_size, baseline=config.baseline, scorable=scorable, **options
-            )
+    inputs = AdvantageInputs(
+        rewards=batch.rewards,
+        group_size=group_size,
+        unscorable=batch.unscorable,
+        reward_columns=batch.reward_columns,
+        weight_of=lambda name: column_weight(batch.reward_weights, name),  # read by GDPO only
+        all_gather=all_gather,
+    )
+    advantages = estimate_advantages(inputs, config.settings)
     if batch.step_rewards is not None:  # process rewards (DeepSeekMath §4.1.3)
         per_token = process_advantages(
             batch.step_rewards, batch.step_ends, batch.completion_mask, group_size, eps=config.eps, std=config.std
         )
         advantages = per_token + advantages[:, None] * batch.completion_mask
     return advantages
-
-
-def gdpo_advantages(
-    batch: RolloutBatch, settings: RoundSettings, all_gather: Callable[[Tensor], Tensor] | None = None
-) -> Tensor:
-    """``normalize_then_sum`` (GDPO): every reward column normalised within its group, summed with its weight, the
-    sum normalised over the batch of all ranks. A None (not applicable) is NaN, as in TRL: out of that reward's group
-    mean and std; a completion no column applies to is out of the batch's too, with advantage 0."""
-    config, names = settings.advantage, list(batch.reward_columns)
-    values = [[torch.nan if v is None else v for v in batch.reward_columns[name]] for name in names]
-    rewards = torch.tensor(values, dtype=batch.rewards.dtype, device=batch.rewards.device).T  # [N, K]
-    if batch.unscorable is not None:  # the scorer's rule: out of every column (the sum's baseline leaves it out too)
-        rewards = torch.where(batch.unscorable.to(rewards.device)[:, None], torch.nan, rewards)
-    weights = [column_weight(batch.reward_weights, name) for name in names]  # where the scorer weighed the total
-    weights = torch.tensor(weights, dtype=rewards.dtype, device=rewards.device)
-    summed = decoupled_sum(rewards, weights, settings.sampling.group_size, eps=config.eps, std=config.std)
-    every_rank = all_gather(summed).flatten() if all_gather is not None else None
-    return batch_normalized(summed, eps=config.eps, std=config.std, batch=every_rank)
 
 
 def rollout_metrics(batch: RolloutBatch, settings: RoundSettings, timings: dict[str, float]) -> dict[str, float]:

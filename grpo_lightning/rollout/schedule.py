@@ -28,10 +28,10 @@ from torch import Tensor
 
 from grpo_lightning.engines.base import RolloutEngine
 from grpo_lightning.engines.weights import policy_weights
+from grpo_lightning.modality import TEXT, Modality, modality_class
 from grpo_lightning.rollout.round import SampledRound
 from grpo_lightning.rollout.stream import PromptStream
 from grpo_lightning.rollout.worker import RolloutWorker, WorkerSpec
-from grpo_lightning.vision.saved import images_from_plain, plain_images, plain_vision, vision_from_plain
 
 
 class RolloutSchedule:
@@ -102,13 +102,13 @@ class RolloutSchedule:
         self.ready, self.next_launch, self.position = {}, 0, None
 
     # ------------------------------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, modality: Modality = TEXT) -> dict[str, Any]:
         """The finished rollouts not trained yet, the next round to launch and the stream position (after a
-        drain: nothing is in flight in a checkpoint)."""
+        drain: nothing is in flight in a checkpoint); ``modality``: the policy's, which made the rows' inputs."""
         self.drain()
         return {
             "lag": self.lag,
-            "ready": {k: _plain(v) for k, v in sorted(self.ready.items())},
+            "ready": {k: _plain(v, modality) for k, v in sorted(self.ready.items())},
             "next_launch": self.next_launch,
             "position": self.position,
         }
@@ -121,20 +121,24 @@ class RolloutSchedule:
         self.position = state.get("position")
 
 
-def _plain(sampled: SampledRound) -> dict[str, Any]:
+def _plain(sampled: SampledRound, modality: Modality) -> dict[str, Any]:
     """A ``SampledRound`` as plain data (dicts, lists, tensors, bytes) that ``torch.load(weights_only=True)`` reads:
-    a vision-language model's rows' image inputs and images too (``vision/saved.py``)."""
+    the rows' inputs and images too, as their ``modality`` writes them (``Modality.plain_rows``), named beside."""
     batch = sampled.batch
     plain = asdict(replace(sampled, batch=replace(batch, vision=[], images=[])))
-    plain["batch"].update(vision=plain_vision(batch.vision), images=plain_images(batch.images))
+    plain["batch"].update(modality.plain_rows(batch.vision, batch.images))
+    plain["modality"] = modality.name
     return plain
 
 
 def _sampled(plain: dict[str, Any]) -> SampledRound:
     from grpo_lightning.rollout.batch import RolloutBatch
 
-    batch = dict(plain["batch"])
-    batch.update(vision=vision_from_plain(batch.get("vision", [])), images=images_from_plain(batch.get("images", [])))
+    plain, batch = dict(plain), dict(plain["batch"])
+    # The modality that wrote the rows (``Modality.rows_from_plain``); a checkpoint from before it was named holds
+    # image rows or none.
+    name = plain.pop("modality", "image" if batch.get("vision") else TEXT.name)
+    batch.update(modality_class(name).rows_from_plain(batch))
     return SampledRound(**{**plain, "batch": RolloutBatch(**batch)})
 
 
@@ -174,10 +178,11 @@ class BackgroundRollouts:
         sampled.timings["wait"] = time.perf_counter() - start
         return sampled
 
-    def state_dict(self, stream: PromptStream) -> dict[str, Any]:
-        """The schedule's queue, after waiting for the round in flight; ``stream`` then follows the worker's."""
+    def state_dict(self, stream: PromptStream, modality: Modality = TEXT) -> dict[str, Any]:
+        """The schedule's queue, after waiting for the round in flight; ``stream`` then follows the worker's;
+        ``modality``: the policy's, which writes its rows' inputs."""
         try:
-            state = self.schedule.state_dict()  # waits for the round in flight
+            state = self.schedule.state_dict(modality)  # waits for the round in flight
         except BaseException:
             self.close()
             raise

@@ -9,17 +9,39 @@ microseconds of Python, which a round of 256 trajectories multiplies); the resul
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from grpo_lightning.environments.base import Environment
+
+class TurnEnvironment(Protocol):
+    """What a multi-turn rollout asks of an environment: ``environments/base.Environment`` declares each (its
+    docstrings say what they do); the rollout's modules read no other attribute."""
+
+    tokenizer: Any
+    max_turns: int
+    max_turn_tokens: int | None
+    max_observation_tokens: int
+    max_concurrency: int
+
+    @property
+    def stop_texts(self) -> tuple[str, ...]: ...
+    def setup(self, tokenizer: Any) -> None: ...
+    def spawn(self) -> TurnEnvironment: ...
+    def reset(self, row: dict[str, Any]) -> str | None: ...
+    def step(self, turn: str) -> Any: ...  # a ``Step``
+    def trajectory_prompt(self, prompt: Any) -> Any: ...
+    def prompt_tools(self, row: dict[str, Any]) -> list[dict[str, Any]] | None: ...
+    def final_rewards(self) -> dict[str, float]: ...
+    def reward_view(self) -> Any: ...
+    def reward_weights(self) -> dict[str, float]: ...
+
 
 _WARNED_OVERSIZE: set[str] = set()  # environment classes already warned about an oversize observation
 
 
-def observation_ids(environment: Environment, text: str, tokenizer: Any) -> list[int]:
+def observation_ids(environment: TurnEnvironment, text: str, tokenizer: Any) -> list[int]:
     """``text`` tokenized on its own, at most ``max_observation_tokens`` tokens.
 
     An environment keeps its observations within the limit itself (``Environment.fit_observation`` cuts the text
@@ -28,7 +50,7 @@ def observation_ids(environment: Environment, text: str, tokenizer: Any) -> list
     return observations_ids(environment, [text], tokenizer)[0]
 
 
-def observations_ids(environment: Environment, texts: list[str], tokenizer: Any) -> list[list[int]]:
+def observations_ids(environment: TurnEnvironment, texts: list[str], tokenizer: Any) -> list[list[int]]:
     """``observation_ids`` of each of ``texts``, with one call of the tokenizer for all of them (a batch of texts
     is tokenized each on its own: no padding, the same ids as one call per text)."""
     if not texts:
@@ -42,7 +64,7 @@ def observations_ids(environment: Environment, texts: list[str], tokenizer: Any)
     return [list(ids) for ids in encoded]
 
 
-def _warn_oversize(environment: Environment, length: int, limit: int) -> None:
+def _warn_oversize(environment: TurnEnvironment, length: int, limit: int) -> None:
     kind, name = type(environment), type(environment).__qualname__
     if f"{kind.__module__}.{name}" in _WARNED_OVERSIZE:
         return

@@ -41,7 +41,6 @@ from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.prompts import PromptEncoder
 from grpo_lightning.rollout.round import RoundSettings, SampledRound, sample_round
 from grpo_lightning.rollout.stream import PromptStream
-from grpo_lightning.vision.models import model_from_config
 
 
 @dataclass
@@ -180,7 +179,7 @@ def _serve(spec: WorkerSpec, requests: Any, results: Any, parent: int) -> None:
     try:
         torch.set_num_threads(spec.threads)
         model = _build_model(spec)
-        spec.engine.setup(model, spec.tokenizer)
+        spec.engine.setup(model, spec.tokenizer, spec.encoder.modality)
         encoder = spec.encoder
         results.put(("ready", _pack(None)))
     except BaseException as err:  # noqa: BLE001 - reported to the trainer, which raises it
@@ -211,13 +210,14 @@ def _serve(spec: WorkerSpec, requests: Any, results: Any, parent: int) -> None:
 
 
 def _build_model(spec: WorkerSpec) -> torch.nn.Module:
-    # The policy's architecture (a vision-language model's with its vision tower: its tokenizer and encoder, sent in
-    # the spec, carry its processor, so each row's images are encoded here as in the trainer).
+    # The policy's architecture, as its modality builds it (a vision-language model's with its vision tower: the
+    # encoder sent in the spec holds the modality and its processor, so each row's images are encoded here as in the
+    # trainer).
     # An engine with its own copy (vLLM) keeps the weights on its device; the model here only carries them. A
     # remote engine (vLLM servers) needs only the model's shape: no memory at all.
     device = "meta" if spec.engine.remote else spec.device if spec.engine.shares_weights else "cpu"
     with torch.device(device):  # initialised where it runs (on a GPU: seconds, not minutes); weights come pushed
-        model = model_from_config(spec.model_config, spec.dtype)
+        model = spec.encoder.modality.model_from_config(spec.model_config, spec.dtype)
     model.generation_config = spec.generation_config
     return model.eval().requires_grad_(False)
 

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from grpo_lightning.config import ConfigError
+from grpo_lightning.modality import Modality
 from grpo_lightning.rollout.prompts import PromptEncoder, is_conversation, prompt_problem
 from grpo_lightning.vision.images import IMAGE_COLUMNS, check_image_rows, image_parts, images_of_rows, pil_image
 from grpo_lightning.vision.inputs import VisionRow, row_inputs
@@ -56,14 +57,20 @@ def parts_problem(prompt: Any) -> str | None:
 class VisionPromptEncoder(PromptEncoder):
     """A ``PromptEncoder`` for a vision-language model: prompts with image parts, encoded with their images."""
 
-    def __init__(self, tokenizer: Any, processor: Any, use_chat_template: bool | str | None = "auto", **kwargs: Any):
-        """``processor``: the model's (``vision/processors.py: load_processor``); ``tokenizer`` its tokenizer. The
-        chat settings are ``PromptEncoder``'s; the processor's chat template renders the prompts."""
+    continues_token_exact = False  # each turn prefilled whole, with its images (the cache holds M-RoPE offsets)
+
+    def __init__(
+        self, tokenizer: Any, modality: Modality, use_chat_template: bool | str | None = "auto", **kwargs: Any
+    ):
+        """``modality``: the model's image modality (``vision/modality.py``: its processor); ``tokenizer`` the
+        processor's tokenizer. The chat settings are ``PromptEncoder``'s; the processor's chat template renders the
+        prompts."""
+        processor = modality.processor
         if use_chat_template in (None, "auto") and getattr(processor, "chat_template", None):
             use_chat_template = True
         if use_chat_template is True and not getattr(tokenizer, "chat_template", None):
             tokenizer.chat_template = processor.chat_template  # the check below reads the tokenizer's
-        super().__init__(tokenizer, use_chat_template, **kwargs)
+        super().__init__(tokenizer, use_chat_template, modality=modality, **kwargs)
         if not self.use_chat_template:
             raise ConfigError(
                 "data.use_chat_template: a vision-language model's prompts are rendered with its processor's chat "

@@ -1,9 +1,8 @@
 """Which models are vision-language ones, how they load, and their vision tower frozen.
 
 A ``model.model_name_or_path`` whose config names an architecture of ``AutoModelForImageTextToText`` (and has a
-``vision_config``) loads with it, and its tokenizer is its processor's (``vision/processors.py``). The processor
-travels with the tokenizer (``processor_of``), so every place that makes a prompt encoder from the policy's
-tokenizer makes the vision one (``vision/encoder.py``) for it.
+``vision_config``) loads with it, and its tokenizer is its processor's (``vision/processors.py``). The processor is
+the image modality's (``vision/modality.py``), which every consumer is given with the policy.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ log = logging.getLogger(__name__)
 # Where transformers' image-text-to-text models keep their vision encoder (Qwen-VL: ``visual``; LLaVA, Gemma 3:
 # ``vision_tower``; Idefics3, SmolVLM: ``vision_model``), on the inner model or the outer one.
 VISION_TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder")
-_PROCESSOR_ATTRIBUTE = "_grpo_vision_processor"
 
 
 @functools.cache
@@ -64,9 +62,9 @@ def vision_model_type(name: str | None) -> str | None:
     return _config_dict(name)["model_type"] if name is not None and is_vision_model(name) else None
 
 
-def load_vision_tokenizer(name: str) -> Any:
-    """The processor's tokenizer, left-padding, carrying its processor (``processor_of``); a model whose forward
-    reads a processor output the passes would drop is refused (``vision/model_inputs.py``)."""
+def load_vision_processor(name: str) -> Any:
+    """The model's processor, its tokenizer left-padding; a model whose forward reads a processor output the passes
+    would drop is refused (``vision/model_inputs.py``)."""
     from transformers import AutoConfig
 
     from grpo_lightning.vision.model_inputs import check_model_inputs
@@ -74,16 +72,13 @@ def load_vision_tokenizer(name: str) -> Any:
 
     processor = load_processor(name)
     check_model_inputs(name, AutoConfig.from_pretrained(name), processor)
-    tokenizer = processor.tokenizer
-    tokenizer.padding_side = "left"
-    setattr(tokenizer, _PROCESSOR_ATTRIBUTE, processor)
-    return tokenizer
+    processor.tokenizer.padding_side = "left"
+    return processor
 
 
-def processor_of(tokenizer: Any) -> Any | None:
-    """The processor a vision-language model's tokenizer came with (``load_vision_tokenizer``); None for a text
-    model's."""
-    return getattr(tokenizer, _PROCESSOR_ATTRIBUTE, None)
+def load_vision_tokenizer(name: str) -> Any:
+    """``load_vision_processor``'s tokenizer (the processor is the image modality's: ``vision/modality.py``)."""
+    return load_vision_processor(name).tokenizer
 
 
 def load_vision_model(name: str, dtype: Any) -> nn.Module:
@@ -152,11 +147,3 @@ def freeze_vision_tower(model: nn.Module) -> int:
             frozen += parameter.numel() if parameter.requires_grad else 0
             parameter.requires_grad_(False)
     return frozen
-
-
-def save_tokenizer(tokenizer: Any, folder: str | Path) -> None:
-    """Write ``tokenizer`` to ``folder`` (an exported model's): a vision-language model's whole processor (its
-    image processor's settings, chat template and tokenizer, so ``AutoProcessor`` reloads it), a text model's
-    tokenizer."""
-    processor = processor_of(tokenizer)
-    (processor if processor is not None else tokenizer).save_pretrained(str(folder))

@@ -43,6 +43,7 @@ from grpo_lightning.models.logprobs import completion_logprobs
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.prompts import PromptEncoder
 from grpo_lightning.rollout.round import RoundSettings, SampledRound, finish_round, refill_informative
+from grpo_lightning.update_plan import UpdatePlan
 
 TINY_CALC = str(Path(__file__).resolve().parents[2] / "grpo_lightning" / "assets" / "tiny-calc")
 # A user message is its text; an assistant message its text and the end token; no generation prompt.
@@ -217,9 +218,8 @@ def test_a_rewritten_history_makes_rows_of_its_own_and_advantages_stay_per_sessi
     assert rollout.metrics["rollout/zero_std_group_fraction"] == 0.5 and rollout.metrics["agent/split_sessions"] == 4
     # The round keeps its planned steps and forwards (4 trajectories: one mini-batch of 2 micro-batches), every
     # row once.
-    batches = rollout.micro_batches(
-        micro_batch_size=2, mini_batch_size=4, num_iterations=1, generator=torch.Generator().manual_seed(0)
-    )
+    plan = UpdatePlan(num_iterations=1, rows_per_round=4, mini_batch_size=4, micro_batch_size=2)
+    batches = rollout.micro_batches(plan, generator=torch.Generator().manual_seed(0))
     assert len(batches) == 2 and sum(len(b["completion_ids"]) for b in batches) == 8
 
 

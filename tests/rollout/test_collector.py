@@ -21,6 +21,7 @@ from grpo_lightning.callbacks.policy_sync import OldPolicySync
 from grpo_lightning.cli import TRAINER_DEFAULTS
 from grpo_lightning.config import ConfigError
 from grpo_lightning.engines.lean import LeanEngine
+from grpo_lightning.modality import TEXT
 from grpo_lightning.rewards import RewardSpec, register
 from grpo_lightning.rollout.datamodule import latest_rollout
 
@@ -38,8 +39,8 @@ class CopyEngine(LeanEngine):
         self.copy: torch.nn.Module | None = None
         self.events: list[tuple[str, int | None]] = []
 
-    def setup(self, policy, tokenizer) -> None:
-        super().setup(policy, tokenizer)
+    def setup(self, policy, tokenizer, modality=TEXT) -> None:
+        super().setup(policy, tokenizer, modality)
         self.copy = copy.deepcopy(policy)
 
     def load_weights(self, policy, version: int) -> None:

@@ -18,6 +18,7 @@ from grpo_lightning.rewards import RewardSpec, register
 from grpo_lightning.rollout import datamodule as datamodule_module
 from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.rollout.round import compute_advantages, run_round
+from grpo_lightning.update_plan import UpdatePlan
 
 register("test_length")(length_reward)
 
@@ -235,9 +236,9 @@ def test_micro_batches_carry_the_token_positions_and_prompt_groups_of_their_rows
         rewards=torch.rand(prompts * group),
         advantages=torch.randn(prompts * group),
     )
-    micro = batch.micro_batches(
-        micro_batch_size=5, mini_batch_size=prompts * group, num_iterations=2, generator=torch.Generator()
-    )
+    rows = prompts * group
+    plan = UpdatePlan(num_iterations=2, rows_per_round=rows, mini_batch_size=rows, micro_batch_size=4)
+    micro = batch.micro_batches(plan, generator=torch.Generator())
     assert len(micro) == 2 * 3
     for mb in micro:
         width = mb["completion_mask"].size(1)

@@ -22,6 +22,7 @@ from grpo_lightning.engines.hf import TransformersEngine
 from grpo_lightning.engines.token_sampling import filter_logits
 from grpo_lightning.models.logprobs import completion_logprobs
 from grpo_lightning.vision.inputs import forward_inputs, generation_inputs, placeholder_token_ids, repeat_rows
+from grpo_lightning.vision.modality import IMAGES
 
 FAMILIES = ["qwen2_vl", "llava", "idefics3"]
 ROWS = {  # different lengths (left padding), one and two images, a text-only row
@@ -40,7 +41,7 @@ def _setup(path):
     model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval()
     encoder = encoder_for(path)
     engine = TransformersEngine()
-    engine.setup(model, encoder.tokenizer)
+    engine.setup(model, encoder.tokenizer, encoder.modality)
     ids, mask, vision = encoder.encode_rows(ROWS)
     return engine, model, encoder.tokenizer, (ids, mask, vision)
 
@@ -108,8 +109,7 @@ def test_unfiltered_logprobs_are_the_trainers_with_the_images(tiny_vlms, family)
     with torch.no_grad():
         trainer, _ = completion_logprobs(
             model, out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask, temperature=0.7,
-            vision=repeat_rows(vision, 4),
-        )  # fmt: skip
+            vision=repeat_rows(vision, 4), modality=IMAGES)  # fmt: skip
     done = out.completion_mask.bool()
     torch.testing.assert_close(out.policy_logprobs[done], trainer[done], atol=1e-4, rtol=1e-4)
     expected = _sampling_logprobs(model, out, vision, params, model_end_ids(model, tokenizer))

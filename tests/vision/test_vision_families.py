@@ -20,10 +20,11 @@ from grpo_lightning.engines.hf import TransformersEngine
 from grpo_lightning.engines.vllm import VLLMEngine
 from grpo_lightning.engines.vllm_server import VLLMServerEngine
 from grpo_lightning.environments import ToolEnvironment
+from grpo_lightning.modality import modality_for
 from grpo_lightning.models.build import load_tokenizer
 from grpo_lightning.models.logprobs import completion_logprobs
-from grpo_lightning.vision.engines import check_vision_run
 from grpo_lightning.vision.inputs import forward_inputs, generation_inputs, join_rows, repeat_rows
+from grpo_lightning.vision.modality import IMAGES
 from grpo_lightning.vision.tiny import VLM_FAMILIES
 
 # What ``generate()`` gives a token it appends, in each per-token input (the generic rule repeats the prompt's last
@@ -130,11 +131,11 @@ def test_logprobs_are_the_models_own_forward_whatever_the_batch(tiny_vlms, famil
     completion_ids = torch.randint(3, 60, (n, 7), generator=generator) * completion_mask  # pad (0) after the end
     args = (prompt_ids, prompt_mask, completion_ids, completion_mask)
     with torch.no_grad():
-        together = completion_logprobs(model, *args, vision=vision, micro_batch_size=n)[0]
-        alone = completion_logprobs(model, *args, vision=vision, micro_batch_size=1)[0]
+        together = completion_logprobs(model, *args, vision=vision, micro_batch_size=n, modality=IMAGES)[0]
+        alone = completion_logprobs(model, *args, vision=vision, micro_batch_size=1, modality=IMAGES)[0]
         order = torch.arange(n).flip(0)  # other neighbours, other padding
         pairs = completion_logprobs(
-            model, *(a[order] for a in args), vision=[vision[i] for i in order], micro_batch_size=2
+            model, *(a[order] for a in args), vision=[vision[i] for i in order], micro_batch_size=2, modality=IMAGES
         )[0][order.argsort()]
     for row in range(n):
         completion = completion_ids[row, : lengths[row]]
@@ -149,7 +150,7 @@ def test_generate_samples_from_the_models_own_forward(tiny_vlms, family):
     own forward's on its processor's outputs: ``generate()`` was given every input the model reads."""
     model, encoder, rows, (prompt_ids, prompt_mask, vision) = _setup(tiny_vlms[family], family)
     engine = TransformersEngine()
-    engine.setup(model, encoder.tokenizer)
+    engine.setup(model, encoder.tokenizer, encoder.modality)
     params = SamplingParams(group_size=2, max_new_tokens=6, temperature=1.0)
     out = engine.generate(
         prompt_ids, prompt_mask, params, generator=torch.Generator().manual_seed(1), return_logprobs=True, vision=vision
@@ -157,8 +158,7 @@ def test_generate_samples_from_the_models_own_forward(tiny_vlms, family):
     with torch.no_grad():
         trainer = completion_logprobs(
             model, out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask,
-            vision=repeat_rows(vision, 2),
-        )[0]  # fmt: skip
+            vision=repeat_rows(vision, 2), modality=IMAGES)[0]  # fmt: skip
     for row in range(out.completion_ids.size(0)):
         length = int(out.completion_mask[row].sum())
         completion = out.completion_ids[row, :length]
@@ -192,11 +192,10 @@ def test_what_a_prefix_language_model_cannot_do_is_refused_before_training(tiny_
     with pytest.raises(ConfigError, match=r"^data.dataset row 1: a prompt without an image, which PaliGemmaProcessor"):
         encoder.check_rows(rows, "data.dataset")
     encoder_for(tiny_vlms["gemma3"]).check_rows(rows, "data.dataset")  # Gemma 3's takes one
-    tokenizer = load_tokenizer(str(tiny_vlms["paligemma"]))
     environment = ToolEnvironment(tools=["calculator"])
     with pytest.raises(ConfigError, match=r"^data.environment: paligemma is a prefix language model"):
-        check_vision_run(tokenizer, TransformersEngine(), environment)
-    check_vision_run(load_tokenizer(str(tiny_vlms["gemma3"])), TransformersEngine(), environment)
+        modality_for(str(tiny_vlms["paligemma"])).check_run(TransformersEngine(), environment)
+    modality_for(str(tiny_vlms["gemma3"])).check_run(TransformersEngine(), environment)
 
 
 @pytest.mark.parametrize("engine_class", [VLLMEngine, VLLMServerEngine])
@@ -207,5 +206,5 @@ def test_an_engine_not_checked_to_follow_token_types_is_refused_before_training(
     declaration is the class's, read without vLLM installed)."""
     engine = engine_class.__new__(engine_class)
     with pytest.raises(ConfigError, match=rf"^data.engine: {engine.name} is not checked to sample {family} "):
-        check_vision_run(load_tokenizer(str(tiny_vlms[family])), engine, None)
-    check_vision_run(load_tokenizer(str(tiny_vlms["qwen2_vl"])), engine, None)  # a model without token types
+        modality_for(str(tiny_vlms[family])).check_run(engine, None)
+    modality_for(str(tiny_vlms["qwen2_vl"])).check_run(engine, None)  # a model without token types

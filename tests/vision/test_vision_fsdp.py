@@ -124,11 +124,12 @@ def test_the_vision_blocks_stay_in_the_root_unit(tmp_path, tiny_llama):
     from transformers import AutoModelForImageTextToText
 
     from grpo_lightning.strategies import decoder_layers
+    from grpo_lightning.vision.modality import IMAGES
     from grpo_lightning.vision.tiny import build_tiny_vlm
 
     model = AutoModelForImageTextToText.from_pretrained(str(build_tiny_vlm("qwen2_vl", tmp_path / "qwen2_vl")))
     assert "Qwen2VLVisionBlock" in model._no_split_modules
-    assert [type(m).__name__ for m in decoder_layers(model)] == ["Qwen2VLDecoderLayer"] * 2
+    assert [type(m).__name__ for m in decoder_layers(model, IMAGES)] == ["Qwen2VLDecoderLayer"] * 2
     assert len(decoder_layers(tiny_llama)) == len(tiny_llama.model.layers) == 2
 
 

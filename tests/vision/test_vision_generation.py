@@ -12,6 +12,7 @@ from grpo_lightning.engines.base import SamplingParams
 from grpo_lightning.engines.hf import TransformersEngine
 from grpo_lightning.models.logprobs import completion_logprobs
 from grpo_lightning.vision.inputs import placeholder_token_ids, repeat_rows
+from grpo_lightning.vision.modality import IMAGES
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def _engine(path):
     model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32)
     encoder = encoder_for(path)
     engine = TransformersEngine()
-    engine.setup(model, encoder.tokenizer)
+    engine.setup(model, encoder.tokenizer, encoder.modality)
     return engine, encoder
 
 
@@ -80,6 +81,12 @@ def test_the_samplers_logprobs_are_the_trainers_for_every_row_of_every_group(tin
     )  # fmt: skip
     rows = repeat_rows(vision, 3)
     trainer = completion_logprobs(
-        engine.policy, out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask, vision=rows
+        engine.policy,
+        out.prompt_ids,
+        out.prompt_mask,
+        out.completion_ids,
+        out.completion_mask,
+        vision=rows,
+        modality=IMAGES,
     )[0]
     torch.testing.assert_close(trainer, out.policy_logprobs * out.completion_mask, atol=1e-4, rtol=0)

@@ -15,6 +15,7 @@ from vision_models import encoder_for, image_prompt, squares
 
 from grpo_lightning.models.logprobs import completion_logprobs
 from grpo_lightning.vision.inputs import forward_inputs, placeholder_token_ids
+from grpo_lightning.vision.modality import IMAGES
 from grpo_lightning.vision.models import model_from_config
 from grpo_lightning.vision.tiny import build_tiny_vlm
 
@@ -94,8 +95,7 @@ def test_a_lag_of_one_samples_with_each_rows_images_and_pi_old_is_right(tmp_path
         with torch.no_grad():
             old, _ = completion_logprobs(
                 model, rollout.prompt_ids.cpu(), rollout.prompt_mask.cpu(), rollout.completion_ids.cpu(),
-                rollout.completion_mask.cpu(), vision=rollout.vision,
-            )  # fmt: skip
+                rollout.completion_mask.cpu(), vision=rollout.vision, modality=IMAGES)  # fmt: skip
         torch.testing.assert_close(rollout.old_logprobs[mask], old[mask], atol=1e-4, rtol=0)
     # The later rounds were sampled by older weights than they trained from: the two differ there.
     assert not torch.allclose(rollouts[2].engine_logprobs, rollouts[2].old_logprobs, atol=1e-4)

@@ -10,6 +10,7 @@ from vision_models import encoder_for, image_prompt, shared_vlms, squares
 
 from grpo_lightning.models.logprobs import completion_logprobs
 from grpo_lightning.vision.inputs import forward_inputs
+from grpo_lightning.vision.modality import IMAGES
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +43,11 @@ def _rollout(path):
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava", "idefics3"])
 def test_row_logprobs_do_not_depend_on_the_micro_batch(tiny_vlms, family):
     model, args, vision = _rollout(tiny_vlms[family])
-    together = completion_logprobs(model, *args, vision=vision, micro_batch_size=4)[0]
-    alone = completion_logprobs(model, *args, vision=vision, micro_batch_size=1)[0]
+    together = completion_logprobs(model, *args, vision=vision, micro_batch_size=4, modality=IMAGES)[0]
+    alone = completion_logprobs(model, *args, vision=vision, micro_batch_size=1, modality=IMAGES)[0]
     order = torch.tensor([3, 0, 2, 1])  # other neighbours, other padding
     pairs = completion_logprobs(
-        model, *(a[order] for a in args), vision=[vision[i] for i in order], micro_batch_size=2
+        model, *(a[order] for a in args), vision=[vision[i] for i in order], micro_batch_size=2, modality=IMAGES
     )[0]
     mask = args[3].bool()
     assert together.abs().sum() > 0
@@ -58,8 +59,8 @@ def test_row_logprobs_do_not_depend_on_the_micro_batch(tiny_vlms, family):
 def test_the_images_change_the_logprobs(tiny_vlms, family):
     model, args, vision = _rollout(tiny_vlms[family])
     swapped = [vision[3], vision[1], vision[2], vision[0]]  # rows 0 and 3: one image each, of the same size
-    before = completion_logprobs(model, *args, vision=vision)[0]
-    after = completion_logprobs(model, *args, vision=swapped)[0]
+    before = completion_logprobs(model, *args, vision=vision, modality=IMAGES)[0]
+    after = completion_logprobs(model, *args, vision=swapped, modality=IMAGES)[0]
     assert not torch.allclose(before[0], after[0], atol=1e-4)
     torch.testing.assert_close(before[1:3], after[1:3], atol=1e-5, rtol=0)
 

@@ -11,12 +11,13 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from vision_models import image_prompt, shared_vlms, squares
 
 from grpo_lightning.lora import LoraConfig
+from grpo_lightning.modality import TEXT, modality_for
 from grpo_lightning.models.build import load_model, load_tokenizer
 from grpo_lightning.models.policy_and_reference import build_policy
 from grpo_lightning.models.tiny import TinyModelConfig
-from grpo_lightning.rollout.data_sources import PromptData
+from grpo_lightning.rollout.prompts import prompt_encoder
 from grpo_lightning.vision.encoder import VisionPromptEncoder
-from grpo_lightning.vision.models import is_vision_model, processor_of, vision_tower_pattern, vision_towers
+from grpo_lightning.vision.models import is_vision_model, vision_tower_pattern, vision_towers
 from grpo_lightning.vision.processors import load_processor
 
 
@@ -53,16 +54,15 @@ def test_a_tiny_folder_loads_with_the_auto_classes_and_its_text_heads_are_32_wid
 def test_model_name_or_path_of_a_vision_folder_loads_the_model_and_the_processors_tokenizer(tiny_vlms, family):
     path = str(tiny_vlms[family])
     assert is_vision_model(path) and not is_vision_model(None)
-    tokenizer = load_tokenizer(path)
-    processor = processor_of(tokenizer)
+    modality = modality_for(path)  # the image modality holds the processor (nothing rides on the tokenizer)
+    tokenizer = load_tokenizer(path, modality=modality)
+    processor = modality.processor
     assert processor is not None and processor.tokenizer is tokenizer and tokenizer.padding_side == "left"
-    model = load_model(path, TinyModelConfig(), tokenizer)
+    model = load_model(path, TinyModelConfig(), tokenizer, modality)
     assert type(model).__name__ == CLASSES[family]
     assert model.generation_config.pad_token_id == tokenizer.pad_token_id
-    source = PromptData()  # a data module's encoder(): its chat settings only
-    source.use_chat_template, source.system_prompt, source.chat_template_kwargs = "auto", None, {}
-    assert isinstance(source.encoder(tokenizer), VisionPromptEncoder)
-    assert processor_of(load_tokenizer(None)) is None  # a text model's tokenizer carries none
+    assert isinstance(prompt_encoder(modality, tokenizer, "auto"), VisionPromptEncoder)
+    assert modality_for(None) is TEXT and not hasattr(tokenizer, "_grpo_vision_processor")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -21,6 +21,7 @@ from grpo_lightning.environments.base import Step
 from grpo_lightning.models.logprobs import completion_logprobs
 from grpo_lightning.rollout.multiturn import generate_trajectories
 from grpo_lightning.rollout.sample_and_score import repeat_each
+from grpo_lightning.vision.modality import IMAGES
 from grpo_lightning.vision.models import vision_towers
 from grpo_lightning.vision.vllm_inputs import engine_prompts, image_token_id
 
@@ -65,7 +66,7 @@ def test_every_turn_is_sampled_and_scored_with_the_prompts_images(tiny_vlms, fam
     model = AutoModelForImageTextToText.from_pretrained(str(tiny_vlms[family]), dtype=torch.float32).eval()
     encoder = encoder_for(tiny_vlms[family])
     engine = TransformersEngine()
-    engine.setup(model, encoder.tokenizer)
+    engine.setup(model, encoder.tokenizer, encoder.modality)
     trajectories = generate_trajectories(
         ROWS, engine=engine, encoder=encoder, environment=EveryTurnCallsTheCalculator(format="tag", max_turns=3),
         params=SamplingParams(group_size=2, max_new_tokens=64), generator=torch.Generator().manual_seed(0),
@@ -91,11 +92,23 @@ def test_every_turn_is_sampled_and_scored_with_the_prompts_images(tiny_vlms, fam
         assert HINT in encoder.tokenizer.decode(request["prompt_token_ids"])
     with torch.no_grad():
         trainer, _ = completion_logprobs(
-            model, out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask, vision=trajectories.vision
+            model,
+            out.prompt_ids,
+            out.prompt_mask,
+            out.completion_ids,
+            out.completion_mask,
+            vision=trajectories.vision,
+            modality=IMAGES,
         )
         blind = [{**v, "pixel_values": -v["pixel_values"]} if v else v for v in trajectories.vision]
         without, _ = completion_logprobs(
-            model, out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask, vision=blind
+            model,
+            out.prompt_ids,
+            out.prompt_mask,
+            out.completion_ids,
+            out.completion_mask,
+            vision=blind,
+            modality=IMAGES,
         )
     action = trajectories.action_mask.bool()
     assert action.sum() == 18 and (out.completion_mask.bool() & ~action).sum() > 0  # observations: context only

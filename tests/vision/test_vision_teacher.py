@@ -58,7 +58,12 @@ def test_a_vision_teacher_scores_each_completion_with_the_students_images(tmp_pa
     other = {**rows, "images": [[image.transpose(0) for image in images] for images in rows["images"]]}
     mirrored = encoder_for(student).encode_rows(other)[2]  # the same sizes, other pixels
     seen = module.teacher.logprobs(
-        batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask, vision=mirrored
+        batch.prompt_ids,
+        batch.prompt_mask,
+        batch.completion_ids,
+        batch.completion_mask,
+        vision=mirrored,
+        modality=module.modality,
     )
     assert (seen - scored).abs().max() > 1e-3, (seen - scored).abs().max()  # the images count
 

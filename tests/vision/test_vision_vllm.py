@@ -32,6 +32,7 @@ from grpo_lightning.engines.vllm import VLLMEngine  # noqa: E402
 from grpo_lightning.models.logprobs import completion_logprobs  # noqa: E402
 from grpo_lightning.rollout.multiturn import generate_trajectories  # noqa: E402
 from grpo_lightning.vision.inputs import forward_inputs, placeholder_token_ids, repeat_rows  # noqa: E402
+from grpo_lightning.vision.modality import IMAGES
 from grpo_lightning.vision.vllm_inputs import SourcedRow  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -56,7 +57,7 @@ def served(request, tmp_path_factory):
     policy = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval()
     encoder = encoder_for(path)
     engine = vllm_engine()
-    engine.setup(policy, encoder.tokenizer)
+    engine.setup(policy, encoder.tokenizer, encoder.modality)
     yield request.param, policy, encoder, engine
     engine.close()
 
@@ -100,8 +101,7 @@ def trainer_logprobs(policy, out, vision, params) -> tuple[torch.Tensor, torch.T
     with torch.no_grad():
         trainer, _ = completion_logprobs(
             policy, out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask,
-            temperature=1.0 if params.greedy else params.temperature, vision=rows,
-        )  # fmt: skip
+            temperature=1.0 if params.greedy else params.temperature, vision=rows, modality=IMAGES)  # fmt: skip
     mask = out.completion_mask.bool()
     torch.testing.assert_close(plain[mask], trainer[mask], atol=1e-5, rtol=0)  # this forward is the trainer's
     return trainer, without_placeholders
@@ -284,7 +284,7 @@ def test_the_server_engine_sends_ids_with_images_and_takes_weight_pushes(vlm_ser
     policy = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval()
     encoder = encoder_for(path)
     engine = VLLMServerEngine(base_urls=server.url, request_timeout_s=120, retries=0)
-    engine.setup(policy, encoder.tokenizer)
+    engine.setup(policy, encoder.tokenizer, encoder.modality)
     channel, pushed = engine._weight_channel(), []
     send = channel.push
 
@@ -331,7 +331,7 @@ def test_llava_starts_from_and_is_pushed_the_tower_names_vllm_loads(tmp_path_fac
     with safe_open(str(path / "model.safetensors"), "pt") as saved:
         assert any(name.startswith("vision_tower.embeddings.") for name in saved.keys())
     engine = vllm_engine()
-    engine.setup(policy, encoder_for(path).tokenizer)
+    engine.setup(policy, encoder_for(path).tokenizer, encoder_for(path).modality)
     try:
         folder = engine._folder.name  # not the model's own folder: that one holds the flat names
         with safe_open(f"{folder}/model.safetensors", "pt") as saved:
@@ -366,5 +366,5 @@ def test_a_llava_tower_name_vllm_cannot_load_is_refused_in_one_line_before_vllm_
     policy.model.vision_tower.add_module("extra", torch.nn.Linear(2, 2))  # a tower child vLLM's CLIP has no name for
     engine = vllm_engine()
     with pytest.raises(ConfigError, match="data.engine: vllm cannot load this model: .* set data.engine: transformers"):
-        engine.setup(policy, encoder_for(path).tokenizer)
+        engine.setup(policy, encoder_for(path).tokenizer, encoder_for(path).modality)
     assert engine.llm is None

@@ -181,10 +181,9 @@ def test_an_engine_that_cannot_feed_images_names_those_that_can(tiny_vlms):
     from grpo_lightning.engines.lean import LeanEngine
     from grpo_lightning.engines.vllm import VLLMEngine
     from grpo_lightning.engines.vllm_server import VLLMServerEngine
-    from grpo_lightning.vision.engines import check_vision_run
-    from grpo_lightning.vision.models import load_vision_tokenizer
+    from grpo_lightning.modality import modality_for
 
-    tokenizer = load_vision_tokenizer(str(tiny_vlms["qwen2_vl"]))
+    modality = modality_for(str(tiny_vlms["qwen2_vl"]))
     with pytest.raises(ConfigError, match="data.engine: lean .* set data.engine: transformers, vllm or vllm_server"):
-        check_vision_run(tokenizer, LeanEngine(), None)
+        modality.check_run(LeanEngine(), None)
     assert VLLMEngine.takes_images and VLLMServerEngine.takes_images  # both are given the images

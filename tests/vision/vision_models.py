@@ -8,6 +8,7 @@ import pytest
 from PIL import Image, ImageDraw
 
 from grpo_lightning.vision.encoder import VisionPromptEncoder
+from grpo_lightning.vision.modality import ImageModality
 from grpo_lightning.vision.processors import load_processor
 from grpo_lightning.vision.tiny import VLM_FAMILIES, build_tiny_vlm
 
@@ -48,4 +49,4 @@ def encoder_for(path: Path) -> VisionPromptEncoder:
     """The prompt encoder of the tiny model at ``path`` (its processor, left padding)."""
     processor = load_processor(str(path))
     processor.tokenizer.padding_side = "left"
-    return VisionPromptEncoder(processor.tokenizer, processor)
+    return ImageModality(str(path), processor).prompt_encoder(processor.tokenizer, "auto")

@@ -1,0 +1,121 @@
+"""``RolloutKind``: the one interface of a round's rollout: a round's rows in, a scored ``RolloutBatch`` out.
+
+Every way the run samples is an implementation of it, and the core calls this interface without knowing which:
+
+- single-turn sampling, the core's own (``rollout/sample_and_score.py: SingleTurn``): what ``data.environment:
+  null`` means;
+- multi-turn environments (``environments/base.Environment`` and its subclasses: tools, OpenEnv, skyrl-gym, TRL's
+  classes), through ``rollout/multiturn.py``;
+- agents that run their own loop (``agents/environment.AgentEnvironment``), through ``agents/rollout.py``;
+- a user's class: ``data.environment: {class_path: my_pkg.MyRollout, init_args: {...}}``.
+
+Every implementation scores through the round's ``Scorer``: reward functions and the kind's own reward parts (an
+environment's, an agent's return) are columns of one rule (``rewards/combine.combine_columns``: None is left out of
+the total and the baseline; a row no column scores is unscorable); ``score_completions`` in
+``rollout/sample_and_score.py`` is that path for completions a kind sampled itself.
+
+What else the core asks of the rollout is declared here, each with the default of single-turn sampling: the class
+attributes (what the kind gives or needs) and the methods (checks of the data before training, the tokenizer it is
+bound to, what it holds until the run ends).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+from grpo_lightning.config import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from grpo_lightning.engines.base import RolloutEngine, SamplingParams
+    from grpo_lightning.rewards.scorer import Scorer
+    from grpo_lightning.rollout.batch import RolloutBatch
+    from grpo_lightning.rollout.prompts import PromptEncoder
+
+
+class RolloutKind(ABC):
+    """How a round's rows become scored completions (see the module docstring)."""
+
+    gives_rewards: bool = False
+    """Scores its rows with reward parts of its own (an environment's, an agent's return): a learning signal
+    without ``data.rewards`` (the checks before training count it as one)."""
+    multi_turn: bool = False
+    """Samples later turns with the whole context so far as their prompt (a prefix language model's passes read the
+    first prompt alone as its prefix: refused with one)."""
+    carries_images: bool = True
+    """Gives the policy the prompt's images (a vision-language model's); an agent's calls carry text only."""
+    takes_process_rewards: bool = True
+    """Its completions can be scored step by step (process rewards); a multi-turn trajectory cannot yet."""
+    names_vary_by_rank: bool = False
+    """The names of its metrics and reward parts depend on what a rank's rows did (a tool call): ranks agree on
+    them before the advantages (``rollout/round.py: finish_round``), a collective the others skip."""
+
+    @abstractmethod
+    def rollout(
+        self,
+        rows: dict[str, list[Any]],
+        *,
+        engine: RolloutEngine,
+        encoder: PromptEncoder,
+        scorer: Scorer,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+        return_logprobs: bool = False,
+        device: torch.device | str = "cpu",
+        timings: dict[str, float] | None = None,
+    ) -> RolloutBatch:
+        """``params.group_size`` completions or trajectories (one when greedy) for each row of ``rows`` (the
+        ``prompt`` column and the dataset's others), scored by ``scorer``.
+
+        ``return_logprobs`` keeps the engine's log-probs of the sampled tokens (``RolloutBatch.engine_logprobs``).
+        ``timings``, when given, accumulates seconds under ``generate`` and ``score`` (and ``environment``: the
+        part of generating spent outside the engine)."""
+
+    def reward_weights(self) -> dict[str, float]:
+        """Each of the kind's own reward parts' weight, by the part's name (a part not named weighs 1); none by
+        default."""
+        return {}
+
+    def set_chat_template_kwargs(self, chat_template_kwargs: dict[str, Any]) -> None:
+        """``data.chat_template_kwargs``, given once when the data module is built (before ``bind``): what renders
+        the kind's own text with the chat template passes to it, as the prompts' rendering does. Unused by
+        default."""
+        return None
+
+    def bind(self, tokenizer: Any) -> None:
+        """The policy's tokenizer, given before the data's checks (and again whenever it is another object); a
+        chat format the kind cannot tell, or a limit it cannot keep, is refused here. Nothing by default."""
+        return None
+
+    def required_columns(self) -> tuple[str, ...]:
+        """Dataset columns the kind reads (checked before training); none by default."""
+        return ()
+
+    def check_rows(self, data: Any, where: str) -> None:
+        """Refuses, in one line (``ConfigError`` naming ``where`` and the row), rows of ``data`` (a ``Dataset``
+        with the ``required_columns``) the kind cannot start from; called before training. Accepts all by
+        default."""
+        return None
+
+    def prompt_tools(self, row: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The function schemas the chat template lists in ``row``'s prompt (their tokens count in the length
+        check before training); None (the default): none."""
+        return None
+
+    def close(self) -> None:
+        """Let go of what the kind holds across rounds (sessions, a server the run started), asked when the run
+        ends, also after an error. Nothing by default."""
+        return None
+
+
+def check_rollout_kind(value: Any) -> RolloutKind | None:
+    """``data.environment`` as given (None: single-turn sampling), refused in one line when it is not a
+    ``RolloutKind``."""
+    if value is None or isinstance(value, RolloutKind):
+        return value
+    raise ConfigError(
+        "data.environment must be {class_path: ..., init_args: {...}} of a grpo_lightning.environments.Environment "
+        f"or grpo_lightning.rollout.kind.RolloutKind subclass (got {type(value).__name__})"
+    )
