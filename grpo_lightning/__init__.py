@@ -9,6 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from grpo_lightning import moved_modules
+
+moved_modules.install()  # the integrations' old module names still import, for a release (moved_modules.py)
+
 _EXPORTS = {
     "AdvantageConfig": "grpo_lightning.config",
     "ConfigError": "grpo_lightning.config",
@@ -20,8 +24,8 @@ _EXPORTS = {
     "register_policy_loss": "grpo_lightning.losses",
     "RewardSpec": "grpo_lightning.rewards",
     "RolloutDataModule": "grpo_lightning.rollout.datamodule",
-    "SFTDataModule": "grpo_lightning.sft",
-    "SFTModule": "grpo_lightning.sft",
+    "SFTDataModule": "grpo_lightning.integrations.sft",
+    "SFTModule": "grpo_lightning.integrations.sft",
 }
 
 __all__ = sorted(_EXPORTS)

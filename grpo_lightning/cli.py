@@ -61,7 +61,7 @@ TRAINER_DEFAULTS = {
 
 # The subcommands an integration adds in front of Lightning's: ``python -m grpo_lightning sft fit ...`` runs the CLI
 # class at the path (imported then, and only then: ``plugins.load_plugin``).
-SUBCOMMANDS: dict[str, str] = {"sft": "grpo_lightning.sft:SFTCLI"}
+SUBCOMMANDS: dict[str, str] = {"sft": "grpo_lightning.integrations.sft:SFTCLI"}
 
 # ckpt_path values that Lightning resolves itself (not file paths).
 _SPECIAL_CKPT_PATHS = {"last", "best", "hpc", "registry"}
@@ -366,7 +366,8 @@ def main(args: list[str] | None = None) -> None:
       sandbox is broken (``EnvironmentCrashed``).
 
     Anything else is a bug: a traceback (exit status 1). Set ``GRPO_DEBUG=1`` for full tracebacks.
-    ``python -m grpo_lightning sft fit|validate ...`` runs supervised fine-tuning (``grpo_lightning.sft``) instead.
+    ``python -m grpo_lightning sft fit|validate ...`` runs supervised fine-tuning (``grpo_lightning.integrations.sft``)
+    instead.
     """
     argv = sys.argv[1:] if args is None else list(args)
     cli_class = GRPOCLI

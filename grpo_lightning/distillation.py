@@ -1,10 +1,10 @@
 """On-policy distillation as the core sees it: the settings ``model.teacher`` fills, the contract of a teacher, the
 checks of a run with one, and the plug-in path that builds it.
 
-The teacher itself (a local model, or one served by vLLM) is an integration (``models/teacher.py``,
-``models/served_teacher.py``): the core never imports it. ``GRPOModule`` builds it with ``build_teacher``, which
-loads ``TEACHER_FACTORY`` (``plugins.load_plugin``) only when a run has a teacher, and talks to it through
-``DistillationTeacher``. The per-token advantage it gives is ``advantages.distillation_advantages``.
+The teacher itself (a local model, or one served by vLLM) is an integration (``integrations/distillation/teacher.py``,
+``integrations/distillation/served_teacher.py``): the core never imports it. ``GRPOModule`` builds it with
+``build_teacher``, which loads ``TEACHER_FACTORY`` (``plugins.load_plugin``) only when a run has a teacher, and talks to
+it through ``DistillationTeacher``. The per-token advantage it gives is ``advantages.distillation_advantages``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from grpo_lightning.config import ConfigError
 from grpo_lightning.modality import TEXT, Modality
 from grpo_lightning.plugins import load_plugin
 
-TEACHER_FACTORY = "grpo_lightning.models.teacher:make_teacher"
+TEACHER_FACTORY = "grpo_lightning.integrations.distillation.teacher:make_teacher"
 """The ``"module:attr"`` path of the function that makes the teacher of a ``TeacherConfig``."""
 
 TEACHER_DTYPES = ("float32", "bfloat16", "float16")

@@ -22,11 +22,16 @@ from typing import Any
 from torch import Tensor, nn
 
 from grpo_lightning.errors import ConfigError
-from grpo_lightning.models.lean import mask_positions
 from grpo_lightning.plugins import load_plugin
 
 Rows = Sequence[Mapping[str, Tensor]]
 """Each row's inputs beyond its token ids (a dict of tensors per row, on the CPU; empty without any)."""
+
+
+def mask_positions(attention_mask: Tensor) -> Tensor:
+    """Position ids of left-padded sequences from their attention mask (padding gets 0, as in ``transformers``'
+    generation): the text modality's position input, which the lean forward and decoder use too."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 class Modality:
@@ -159,7 +164,7 @@ TextModality = Modality
 TEXT = Modality()
 """The text modality: the ids alone."""
 
-MODALITY_PLUGINS: dict[str, str] = {"image": "grpo_lightning.vision.modality:ImageModality"}
+MODALITY_PLUGINS: dict[str, str] = {"image": "grpo_lightning.integrations.vision.modality:ImageModality"}
 """Modality plug-ins by name: ``"module:Class"`` of a ``Modality`` subclass (``register_modality`` adds one)."""
 
 

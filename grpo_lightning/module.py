@@ -98,7 +98,7 @@ class GRPOModule(LightningModule):
             disable_dropout: set every dropout probability of the policy and the reference to 0 (as TRL does):
                 the completions are sampled without dropout, so an update with dropout on would compare a noisy
                 π_θ with π_old and the ratio would be off 1 from the first step. ``false`` keeps the model's own.
-            lean_forward: run log-prob passes on ``grpo_lightning.models.lean`` (Llama, Qwen2, Qwen3 and
+            lean_forward: run log-prob passes on ``grpo_lightning.models.lean_forward`` (Llama, Qwen2, Qwen3 and
                 Mistral, unsharded, without LoRA): the same arithmetic as the model's forward with less Python,
                 and each group's prompt computed once. Other models always use their own forward.
             logprob_batch_size: rows per forward pass when computing old/reference log-probs at rollout time.
@@ -107,9 +107,11 @@ class GRPOModule(LightningModule):
             log_entropy: compute and log the policy's per-token entropy (computed anyway when the loss needs it).
             max_nonfinite_skips: an optimizer step whose loss or gradients hold a NaN/Inf is skipped (weights
                 unchanged, culprit logged); this many skips in a row stop the run.
-            teacher: on-policy distillation (``models/teacher.py``): a frozen model whose log-prob of each token the
+            teacher: on-policy distillation (``integrations/distillation/teacher.py``): a frozen model whose log-prob of
+            each token the
                 student samples, minus the student's, is that token's advantage (weighted by ``teacher.weight``).
-            freeze_vision_tower: a vision-language model's vision encoder does not train (``vision/models.py``).
+            freeze_vision_tower: a vision-language model's vision encoder does not train
+            (``integrations/vision/models.py``).
         """
         super().__init__()
         self.save_hyperparameters()
@@ -122,7 +124,9 @@ class GRPOModule(LightningModule):
         if max_nonfinite_skips < 1:
             raise ConfigError(f"model.max_nonfinite_skips must be >= 1 (got {max_nonfinite_skips})")
         self.nonfinite = NonFiniteGuard(max_nonfinite_skips)
-        self.teacher = build_teacher(teacher) if teacher is not None else None  # the plug-in: models/teacher.py
+        self.teacher = (
+            build_teacher(teacher) if teacher is not None else None
+        )  # the plug-in: integrations/distillation/teacher.py
         self.modality = model_modality(model_name_or_path)  # what rows add to their ids (grpo_lightning/modality.py)
         self.tokenizer = load_tokenizer(model_name_or_path, modality=self.modality)
         self.policy: PreTrainedModel | None = None

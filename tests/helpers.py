@@ -109,7 +109,7 @@ ARCHITECTURES: dict[str, Callable[[], torch.nn.Module]] = {
     "phi3": lambda: Phi3ForCausalLM(Phi3Config(**ARCHITECTURE_SIZE, pad_token_id=0)),
     "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=4, n_positions=64)),
 }
-LEAN_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # the lean forward's (models/lean.py)
+LEAN_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")  # the lean forward's (models/lean_forward.py)
 # float32 comparisons of the lean forward with the model's: the same sums in another order and grouping (shared
 # prompt pass, packed weights, fused attention), of logits and log-probs of size ≤ ~5 through 2 layers of length
 # 32-48 dot products. Their rounding differs by tens of float32 steps at most (2**-23 ≈ 1.2e-7 relative):

@@ -2,6 +2,8 @@
 
 - No module of ``grpo_lightning`` imports, directly or through others, a module that imports it back (imports
   inside functions and under ``TYPE_CHECKING`` count: they are dependencies too).
+- The core (everything outside ``grpo_lightning/integrations/``) imports no integration; no two folders import each
+  other, and the folders stand in layers (no import runs from a lower one up to a higher one).
 - ``GRPOModule`` depends on no callback; every module says in its docstring what it owns; no file is over 500
   lines (a file is one idea; the cap catches a file that has become several).
 - Where Lightning offers no public hook for what we need, we use its internals; each such place is listed in the
@@ -122,6 +124,54 @@ def test_every_module_says_what_it_owns_in_a_short_file():
         tree = ast.parse(path.read_text())
         assert ast.get_docstring(tree), f"{path.relative_to(PACKAGE.parent)} has no module docstring"
         assert len(path.read_text().splitlines()) <= 500, f"{path.relative_to(PACKAGE.parent)} is over 500 lines"
+
+
+# ---------------------------------------------------------------- the core and its integrations (issue 51)
+INTEGRATIONS = "grpo_lightning.integrations"
+
+
+def room(module: str) -> str:
+    """The folder (or top-level file) a module belongs to: ``grpo_lightning.rollout``, ``grpo_lightning.module``,
+    and one room per integration (``grpo_lightning.integrations.vision``)."""
+    parts = module.split(".")
+    depth = 3 if module.startswith(INTEGRATIONS + ".") else 2
+    return ".".join(parts[:depth])
+
+
+def room_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        graph.setdefault(room(module), set()).update(room(t) for t in targets if room(t) != room(module))
+    return graph
+
+
+def test_the_core_imports_no_integration():
+    """What the quickstart uses (everything outside ``grpo_lightning/integrations/``) imports no integration, at the
+    top of a file or inside a function: integrations plug in through the core's declared extension points, and the
+    core reaches one only by its ``"module:attr"`` path (``plugins.load_plugin``)."""
+    offending = {
+        f"{module} -> {target}"
+        for module, targets in import_graph().items()
+        if not module.startswith(INTEGRATIONS)
+        for target in targets
+        if target.startswith(INTEGRATIONS)
+    }
+    assert not offending, sorted(offending)
+
+
+def test_no_two_rooms_import_each_other_and_the_rooms_stand_in_layers():
+    """No two folders import each other, and the rooms form layers: no import runs from a lower room up to a higher
+    one (the graph of rooms has no cycle at all, so every room stands above everything it imports)."""
+    graph = room_graph()
+    pairs = sorted({tuple(sorted((a, b))) for a, targets in graph.items() for b in targets if a in graph.get(b, ())})
+    assert pairs == [], pairs
+    assert cycles(graph) == []
+
+
+def test_the_room_check_sees_a_two_way_pair():
+    assert cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b"]]
+    assert room("grpo_lightning.integrations.vision.inputs") == "grpo_lightning.integrations.vision"
+    assert room("grpo_lightning.rollout.round") == "grpo_lightning.rollout"
 
 
 # ---------------------------------------------------------------- the Lightning internals we rely on (README)

@@ -1,4 +1,5 @@
-"""A user's modality, registered as a plug-in, reaches every pass: the invariant of ``grpo_lightning/modality.py``.
+"""A user's modality, registered as a plug-in, reaches every pass: the invariant of
+``grpo_lightning/modality.py``.
 
 ``ShiftModality`` adds one per-row forward input (``row_shift``: a vector added to every token's embedding) to a tiny
 Llama whose forward accepts it. Registered by name (``register_modality``), it is chosen when the model loads (its
@@ -22,7 +23,7 @@ from grpo_lightning.engines.base import SamplingParams
 from grpo_lightning.engines.hf import TransformersEngine
 from grpo_lightning.engines.lean import LeanEngine
 from grpo_lightning.modality import MODALITY_PLUGINS, TEXT, Modality, register_modality
-from grpo_lightning.models.lean import mask_positions
+from grpo_lightning.models.lean_forward import mask_positions
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.rollout.prompts import PromptEncoder, prompt_encoder
 

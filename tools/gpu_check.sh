@@ -223,6 +223,7 @@ def recipe_settings(result: dict) -> tuple:
     import yaml
 
     from grpo_lightning import SamplingConfig
+    from grpo_lightning.engines import SamplingParams
 
     # The recipe's sampling, read from the yaml so the check follows it; min = max for equal token counts.
     with open(RECIPE) as f:
@@ -243,7 +244,7 @@ def recipe_settings(result: dict) -> tuple:
                     num_key_value_heads=1, intermediate_size=128, max_position_embeddings=64)
         dtype = torch.float32  # bf16 on CPU is slow and not what the GPU run measures anyway
     sampling = dataclasses.replace(sampling, min_new_tokens=sampling.max_new_tokens)
-    params = sampling.params()
+    params = SamplingParams.from_config(sampling)
     result["settings"] = {
         "recipe": RECIPE, "model": "Qwen2.5-0.5B architecture, random weights" if not smoke else "tiny Qwen2 (smoke)",
         "dtype": str(dtype).removeprefix("torch."), "prompts": prompts, "prompt_tokens": prompt_len,
@@ -332,7 +333,7 @@ def compare(result, folder, tokenizer, arch, dtype, prompts, prompt_len, params)
         result["vllm"] = "not installed"
         return
     try:
-        from grpo_lightning.engines.vllm import VLLMEngine
+        from grpo_lightning.integrations.vllm.engine import VLLMEngine
 
         options = {"max_model_len": prompt_len + params.max_new_tokens, "gpu_memory_utilization": 0.3}
         if not cuda:
@@ -380,8 +381,8 @@ def servers(result: dict) -> None:
     import tempfile
     import urllib.request
 
-    from grpo_lightning.engines.vllm_server import VLLMServerEngine
-    from grpo_lightning.engines.weight_transfer import free_port
+    from grpo_lightning.integrations.vllm.server import VLLMServerEngine
+    from grpo_lightning.integrations.vllm.weight_transfer import free_port
     from grpo_lightning.models.tiny import build_char_tokenizer
 
     if importlib.util.find_spec("vllm") is None:
@@ -453,13 +454,13 @@ def servers(result: dict) -> None:
 # ------------------------------------------------------------------------------------------------ E. vlm
 def vlm_folder(folder: str, smoke_sizes: bool) -> int:
     """A random-weight Qwen2-VL saved in ``folder`` with an image processor and the character tokenizer plus
-    Qwen2-VL's image tokens (grpo_lightning/vision/tiny.py's): Qwen2-VL-2B-Instruct's architecture (its
+    Qwen2-VL's image tokens (grpo_lightning/integrations/vision/tiny.py's): Qwen2-VL-2B-Instruct's architecture (its
     config.json), or the tiny one in SMOKE. Returns its parameter count."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from grpo_lightning.vision.processors import image_only_processor
-    from grpo_lightning.vision.tiny import build_vlm_tokenizer, chat_template
+    from grpo_lightning.integrations.vision.processors import image_only_processor
+    from grpo_lightning.integrations.vision.tiny import build_vlm_tokenizer, chat_template
 
     tokenizer = build_vlm_tokenizer("qwen2_vl")
     ids = tokenizer.convert_tokens_to_ids
@@ -520,7 +521,7 @@ def vlm(result: dict) -> None:
     prompt_tokens = 64 + 40 if not smoke else 9 + 40  # image tokens + the chat template and question, about
     engine, why = "transformers", None
     try:
-        from grpo_lightning.engines.vllm import VLLMEngine
+        from grpo_lightning.integrations.vllm.engine import VLLMEngine
 
         if getattr(VLLMEngine, "takes_images", False):
             options = {"max_model_len": prompt_tokens + length + 64, "gpu_memory_utilization": 0.3}

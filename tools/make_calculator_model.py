@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from grpo_lightning.environments.tools import calculator
+from grpo_lightning.integrations.environments.tools import calculator
 from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
 from grpo_lightning.tasks.multiplication import format_prompt, multiplication_pairs
 

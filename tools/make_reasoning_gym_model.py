@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 import yaml
 
+from grpo_lightning.integrations.reasoning_gym.rewards import decode
 from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
-from grpo_lightning.rewards.reasoning_gym import decode
 from grpo_lightning.tasks import load_task
 
 

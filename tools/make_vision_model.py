@@ -1,7 +1,7 @@
 """Make the vision demo's starting model: a tiny Qwen2-VL after a short supervised cold start on counting shapes.
 
 The rows are ``configs/vision.yaml``'s own (``data.dataset: count_shapes`` and its ``data.task_kwargs``, drawn in
-code, ``grpo_lightning/tasks/vision.py``); only the training split is used. The answers come from a *sloppy
+code, ``grpo_lightning/integrations/vision/tasks.py``); only the training split is used. The answers come from a *sloppy
 teacher*: on every image with three shapes or more it misses one with probability ``--sloppy`` (answering 4 for 5
 shapes). The model learns to count, and the teacher's habit with it: its greedy answer is usually one short from
 three shapes up although the right count is often among its samples. Only the exact-answer reward tells the right
@@ -9,8 +9,8 @@ count from the sloppy one, so the held-out accuracy the demo gains is GRPO's doi
 
     python tools/make_vision_model.py --out grpo_lightning/assets/tiny-count-shapes
 
-The model is ``grpo_lightning/vision/tiny.py``'s tiny Qwen2-VL (a one-layer vision tower, two text layers 64 wide,
-84-pixel images as 9 image tokens) with its processor, randomly initialised with ``--seed``, then trained here
+The model is ``grpo_lightning/integrations/vision/tiny.py``'s tiny Qwen2-VL (a one-layer vision tower, two text layers
+64 wide, 84-pixel images as 9 image tokens) with its processor, randomly initialised with ``--seed``, then trained here
 whole, vision tower included (GRPO then trains the language model with the tower frozen, the default). At the end
 the held-out greedy accuracy and the mean probability of the right first token are printed.
 
@@ -30,10 +30,10 @@ from typing import Any
 import torch
 import yaml
 
+from grpo_lightning.integrations.vision.images import row_images
+from grpo_lightning.integrations.vision.processors import load_processor
+from grpo_lightning.integrations.vision.tiny import build_tiny_vlm
 from grpo_lightning.tasks import load_task
-from grpo_lightning.vision.images import row_images
-from grpo_lightning.vision.processors import load_processor
-from grpo_lightning.vision.tiny import build_tiny_vlm
 
 
 def teacher_answer(count: int, sloppy: float, rng: random.Random) -> int:

@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 OUT="${1:-/tmp/quickstart_on_server}"
 rm -rf "$OUT" && mkdir -p "$OUT"
 PY="$(bash .ci/vllm_env.sh --path)/bin/python"
-PORT=$("$PY" -c "from grpo_lightning.engines.weight_transfer import free_port; print(free_port('127.0.0.1'))")
+PORT=$("$PY" -c "from grpo_lightning.integrations.vllm.weight_transfer import free_port; print(free_port('127.0.0.1'))")
 export WANDB_MODE=offline WANDB_SILENT=true TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 
 start=$(date +%s.%N)

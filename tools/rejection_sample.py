@@ -12,8 +12,9 @@ policy's weights from a Lightning checkpoint of that config (without it, the con
 Generation and scoring are a rollout's own (``rollout.sampling.sample_and_score``).
 
 The output is a ``.jsonl`` of ``prompt``, ``response``, ``reward`` and the prompt's other columns, which
-``grpo_lightning.sft.SFTDataModule`` reads as it is. A second file (``--report``, default ``<out>.acceptance.jsonl``)
-gives each prompt's acceptance rate: the share of its k samples whose reward reached the threshold.
+``grpo_lightning.integrations.sft.SFTDataModule`` reads as it is. A second file (``--report``, default
+``<out>.acceptance.jsonl``) gives each prompt's acceptance rate: the share of its k samples whose reward reached the
+threshold.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any, Literal
 import torch
 
 from grpo_lightning.cli import GRPOCLI
-from grpo_lightning.engines import build_engine
+from grpo_lightning.engines import SamplingParams, build_engine
 from grpo_lightning.module import GRPOModule
 from grpo_lightning.rollout.prompts import load_prompts, rename_prompt_column
 from grpo_lightning.rollout.sample_and_score import sample_and_score
@@ -146,10 +147,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         load_policy_weights(module, args.ckpt_path)
     module.to(args.device).eval()
     changes = {"group_size": args.k} | ({"temperature": args.temperature} if args.temperature is not None else {})
-    params = data.sampling.params(**changes)
+    params = SamplingParams.from_config(data.sampling, **changes)
     engine = build_engine(data.engine)
-    engine.setup(module.policy, module.tokenizer)
-    encoder = data.encoder(module.tokenizer)  # the config's chat settings: template, system prompt, kwargs
+    engine.setup(module.policy, module.tokenizer, module.modality)
+    # the config's chat settings: template, system prompt, kwargs
+    encoder = data.encoder(module.tokenizer, module.modality)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
 
     if args.split:

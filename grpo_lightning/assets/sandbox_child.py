@@ -1,8 +1,8 @@
 """The program that runs inside the sandbox: sets up isolation, drops privileges, then runs the tests.
 
-``rewards/sandbox.py`` passes this file's text to ``python -I -B -c`` in the child it starts. It lives under
-``assets/`` (package data, not one of the package's modules) because it must never be imported: at the top level it
-reads its configuration from stdin, mounts file systems and gives up its uid. Reports go to a private duplicate of
+``integrations/sandbox/sandbox.py`` passes this file's text to ``python -I -B -c`` in the child it starts. It lives
+under ``assets/`` (package data, not one of the package's modules) because it must never be imported: at the top level
+it reads its configuration from stdin, mounts file systems and gives up its uid. Reports go to a private duplicate of
 the original stdout as JSON lines; fds 0-2 point at /dev/null while user code runs.
 """
 

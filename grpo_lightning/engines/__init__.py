@@ -5,9 +5,9 @@
                    cache; decodes on the lean forward for Llama, Qwen2, Qwen3 and Mistral, on the model's
                    own forward otherwise. Shares the policy's weights. The default (``auto``).
 ``transformers``   the model's ``generate()`` (``engines/hf.py``), any causal LM. Shares the weights.
-``vllm``           vLLM in the training process (``engines/vllm.py``), its own copy of the weights.
-``vllm_server``    running vLLM servers (``engines/vllm_server.py``) on their own GPUs or machines, the
-                   weights pushed to them after every update (``engines/weight_transfer.py``).
+``vllm``           vLLM in the training process (``integrations/vllm/engine.py``), its own copy of the weights.
+``vllm_server``    running vLLM servers (``integrations/vllm/server.py``) on their own GPUs or machines, the
+                   weights pushed to them after every update (``integrations/vllm/weight_transfer.py``).
 =================  =====================================================================================
 
 ``data.engine`` takes a name, or ``{class_path: ..., init_args: {...}}`` for an engine with settings (one of
@@ -29,8 +29,8 @@ ENGINES: dict[str, type[RolloutEngine] | str] = {
     "auto": LeanEngine,
     "lean": LeanEngine,
     "transformers": TransformersEngine,
-    "vllm": "grpo_lightning.engines.vllm:VLLMEngine",  # imports vllm: only when asked for
-    "vllm_server": "grpo_lightning.engines.vllm_server:VLLMServerEngine",  # the standard library's HTTP only
+    "vllm": "grpo_lightning.integrations.vllm.engine:VLLMEngine",  # imports vllm: only when asked for
+    "vllm_server": "grpo_lightning.integrations.vllm.server:VLLMServerEngine",  # the standard library's HTTP only
 }
 
 

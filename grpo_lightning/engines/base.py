@@ -136,8 +136,8 @@ class RolloutEngine(ABC):
     the engine's ``modality`` says (``Modality.generation_inputs``: ``grpo_lightning/modality.py``)."""
     follows_token_types: bool = False
     """A vision-language model whose forward reads ``token_type_ids`` (Gemma 3's bidirectional attention within an
-    image, PaliGemma's prefix: ``vision/inputs.py: TOKEN_TYPE_RULES``) samples with them as its own forward reads
-    them, checked against that forward (``tests/vision/test_vision_families.py``)."""
+    image, PaliGemma's prefix: ``integrations/vision/inputs.py: TOKEN_TYPE_RULES``) samples with them as its own forward
+    reads them, checked against that forward (``tests/vision/test_vision_families.py``)."""
     eos_token_ids: tuple[int, ...] = ()
     """The ids that end a completion (the tokenizer's EOS and the model's ``generation_config`` ones), set by
     ``setup``; none before (a multi-turn rollout then ends a turn at the tokenizer's EOS)."""
@@ -157,7 +157,8 @@ class RolloutEngine(ABC):
 
     def setup(self, policy: nn.Module, tokenizer: Any, modality: Modality = TEXT) -> None:
         """Called once the policy exists (after ``configure_model``), before the first generation; ``modality``:
-        the policy's (``grpo_lightning/modality.py``), which gives ``generate(vision=...)``'s rows to the model."""
+        the policy's (``grpo_lightning/modality.py``), which gives ``generate(vision=...)``'s rows to the
+        model."""
         self.policy, self.modality = policy, modality
         self.eos_token_id, self.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
         self.eos_token_ids = end_token_ids(policy, tokenizer)

@@ -1,7 +1,7 @@
 """Continuing from a kept KV cache: the later turns of a multi-turn rollout prefill only their new tokens.
 
-A multi-turn rollout (``rollout/multiturn.py``) calls the engine once per turn, each time with every active
-trajectory's whole context (prompt + earlier turns + observations). An engine with ``supports_continuation``
+A multi-turn rollout (``integrations/environments/multiturn.py``) calls the engine once per turn, each time with every
+active trajectory's whole context (prompt + earlier turns + observations). An engine with ``supports_continuation``
 (``lean``, ``transformers``) keeps in a ``GenerationSession`` the keys and values of the rows of its last call, and
 the next call prefills only what each row's cache lacks: the observation, and the turn's last token where the
 engine never fed it back. vLLM needs none of this: its prefix cache finds the shared prefix itself.

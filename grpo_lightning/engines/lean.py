@@ -1,4 +1,4 @@
-"""The ``lean`` engine: our own sampling loop, on the lean forward of ``grpo_lightning.models.lean``.
+"""The ``lean`` engine: our own sampling loop, on the lean forward of ``grpo_lightning.models.lean_forward``.
 
 Instead of ``generate()``: each prompt is prefilled once and its keys and values shared by the G samples of its
 group (written into buffers sized for the whole completion); each decoding step computes logits for the last
@@ -22,8 +22,8 @@ from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingPara
 from grpo_lightning.engines.continuation import GenerationSession, Kept, Resume, kept_after_sampling, real_tokens
 from grpo_lightning.engines.model_decoder import ModelDecoder
 from grpo_lightning.engines.token_sampling import draw, filter_logits
-from grpo_lightning.models.lean import lean_unsupported
 from grpo_lightning.models.lean_decoder import LeanDecoder
+from grpo_lightning.models.lean_forward import lean_unsupported
 
 # The fewest rows a decoding batch is cut to when its finished rows leave it. Why not fewer: on CPU a matrix product
 # of a few rows runs other kernels, whose sums round differently (MKL at one thread: up to 3 rows); above it, at one
@@ -62,7 +62,7 @@ def sample_completions(
     distribution it was drawn from (``engines/base.py``: tempered, EOS banned before ``min_new_tokens``, top-k and
     top-p applied, renormalised; the model's own at temperature 1 when ``greedy``), and ``policy_logprobs`` those
     of the tempered policy, unfiltered (the trainer's π_old on the same weights). With ``lean`` (and a model it
-    supports, see ``grpo_lightning.models.lean``), the steps run on the lean forward. A sequence ends at any of
+    supports, see ``grpo_lightning.models.lean_forward``), the steps run on the lean forward. A sequence ends at any of
     ``eos_token_id`` (one id or several) or after any of ``stop_sequences`` (token ids, kept in the completion),
     neither before ``min_new_tokens`` tokens. Once at most half of the batch still decodes, its finished rows leave
     it (down to ``MIN_BATCH_ROWS``); every step still draws one random number per row, as if none had left.
@@ -224,7 +224,7 @@ class LeanEngine(RolloutEngine):
     def __init__(self, lean_forward: bool = True) -> None:
         """
         Args:
-            lean_forward: decode on ``grpo_lightning.models.lean`` where the model supports it.
+            lean_forward: decode on ``grpo_lightning.models.lean_forward`` where the model supports it.
         """
         super().__init__()
         self.lean_forward = lean_forward

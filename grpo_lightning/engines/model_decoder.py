@@ -12,7 +12,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from grpo_lightning.models.lean import mask_positions
+from grpo_lightning.models.lean_forward import mask_positions
 
 
 class PreallocatedLayer(DynamicLayer):

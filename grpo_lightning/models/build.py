@@ -21,8 +21,8 @@ from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, bu
 
 
 def model_modality(model_name_or_path: str | None, setting: str = POLICY) -> Modality:
-    """The modality of the model (``grpo_lightning/modality.py: modality_for``, read from its config; text for the
-    tiny Llama), a name that cannot be a model, or one that cannot be reached, refused in one line naming
+    """The modality of the model (``grpo_lightning/modality.py: modality_for``, read from its config; text for
+    the tiny Llama), a name that cannot be a model, or one that cannot be reached, refused in one line naming
     ``setting``."""
     if model_name_or_path is None:
         return TEXT

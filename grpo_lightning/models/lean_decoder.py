@@ -2,7 +2,8 @@
 values, then one token per row into preallocated key and value buffers), its weights read once for all steps
 (on CPU, where it pays, in oneDNN's blocked layout: ``models/cpu_packing_rule.py``).
 
-The ``lean`` rollout engine (``grpo_lightning.engines.lean``) samples with it; ``models/lean.py`` holds the forward.
+The ``lean`` rollout engine (``grpo_lightning.engines.lean``) samples with it; ``models/lean_forward.py`` holds the
+forward.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo_lightning.models.cpu_packing_rule import decode_plan
-from grpo_lightning.models.lean import (
+from grpo_lightning.models.lean_forward import (
     Projection,
     decoder_hidden,
     decoder_weights,

@@ -3,7 +3,7 @@
 The model runs up to its output layer; hooks on that layer hand its input hidden states to
 ``output_logprobs.layer_logprobs``, which projects ``chunk_size`` completion tokens at a time and keeps only
 per-token results (at most two ``[chunk, V]`` float32 buffers, forward or backward). Padding positions are skipped
-entirely. The layer's input comes from the lean forward (``models/lean.py``: each distinct prompt once), or the
+entirely. The layer's input comes from the lean forward (``models/lean_forward.py``: each distinct prompt once), or the
 model's own forward, and either of them padded (rows × the longest completion) or packed (``models/packing.py``:
 token-budget bins of the sequences' real tokens, ``pack_tokens``).
 """
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo_lightning.modality import TEXT, Modality
-from grpo_lightning.models.lean import (
+from grpo_lightning.models.lean_forward import (
     PromptGroups,
     lean_unsupported,
     prompt_groups,
@@ -221,7 +221,7 @@ def completion_logprobs(
     output layer projects ``chunk_size`` completion tokens at a time, so peak memory does not grow with rows ×
     length × vocabulary, and padding positions (``completion_mask == 0``) get 0. ``chunk_size=None`` keeps the
     plain path: the micro-batch's full logits from the model, then log-probs. With ``lean`` and a model that
-    ``grpo_lightning.models.lean`` supports, rows sharing a prompt run it once (see ``shared_prompt_hidden``).
+    ``grpo_lightning.models.lean_forward`` supports, rows sharing a prompt run it once (see ``shared_prompt_hidden``).
 
     ``positions`` (``token_positions(completion_mask)``) and ``groups`` (``prompt_groups(prompt_ids,
     prompt_mask)``), when given, are used instead of being found from the masks: with both, a lean pass makes no

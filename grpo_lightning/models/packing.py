@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from grpo_lightning.models.lean import (
+from grpo_lightning.models.lean_forward import (
     PromptGroups,
     _repeat_rows,
     decoder_hidden,

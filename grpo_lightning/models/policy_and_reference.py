@@ -43,8 +43,8 @@ def build_policy(
 
     With LoRA no copy is made (the reference is the policy with its adapter disabled). Under
     ``ModelParallelStrategy`` (``mesh`` set) both are sharded with FSDP2: each decoder layer, then the root.
-    ``modality``: the model's (``grpo_lightning/modality.py``; default: read from its config, ``model_modality``),
-    which loads it; ``freeze_vision_tower``: what the
+    ``modality``: the model's (``grpo_lightning/modality.py``; default: read from its config,
+    ``model_modality``), which loads it; ``freeze_vision_tower``: what the
     modality freezes does not train (a vision-language model's vision encoder, ``Modality.freeze``).
     """
     zero3 = bool(getattr(trainer.strategy, "zero_stage_3", False)) if trainer is not None else False

@@ -30,8 +30,8 @@ _REGISTRY: dict[str, RewardFn] = {}
 
 # name -> ``"module:attr"`` of the integrations' built-in rewards (``plugins.load_plugin``: imported when named).
 REWARD_PLUGINS: dict[str, str] = {
-    "code_execution": "grpo_lightning.rewards.code:code_execution",
-    "reasoning_gym": "grpo_lightning.rewards.reasoning_gym:reasoning_gym_reward",
+    "code_execution": "grpo_lightning.integrations.sandbox.code:code_execution",
+    "reasoning_gym": "grpo_lightning.integrations.reasoning_gym.rewards:reasoning_gym_reward",
 }
 
 

@@ -59,15 +59,18 @@ class RolloutBatch:
     temperature: float = 1.0
     max_new_tokens: int = 0
     pack_tokens: int | str | None = None  # ``data.pack_tokens``: packed or padded log-prob passes
-    # [N] each row's trajectory, rows of one adjacent (an agent's session may make several rows: ``agents/``): group
-    # statistics and advantages are per trajectory, each row taking its trajectory's. None: row i is trajectory i.
+    # [N] each row's trajectory, rows of one adjacent (an agent's session may make several rows:
+    # ``integrations/agents/``): group statistics and advantages are per trajectory, each row taking its trajectory's.
+    # None: row i is trajectory i.
     trajectory: Tensor | None = None
     # [N] True on the row of each trajectory whose text the rewards scored (an agent session's last call's row):
     # what stands for the trajectory in ``per_trajectory``. None: each trajectory's first row.
     scored: Tensor | None = None
-    agent_log: dict[str, float] = field(default_factory=dict)  # the round's ``agent/`` counts (``agents/rollout.py``)
-    # [N] a vision-language model's image inputs of each row's prompt (``vision/inputs.py``; {} for a text-only
-    # row), on the CPU: each forward joins its own rows'. Empty for a text model.
+    agent_log: dict[str, float] = field(
+        default_factory=dict
+    )  # the round's ``agent/`` counts (``integrations/agents/rollout.py``)
+    # [N] a vision-language model's image inputs of each row's prompt (``integrations/vision/inputs.py``; {} for a
+    # text-only row), on the CPU: each forward joins its own rows'. Empty for a text model.
     vision: list[dict[str, Tensor]] = field(default_factory=list)
     images: list[list[Any]] = field(default_factory=list)  # [N] its prompt's images (PIL), for the logs' tables
 

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 
 from grpo_lightning.config import ConfigError, EvalConfig, SamplingConfig
 from grpo_lightning.engines import RolloutEngine
+from grpo_lightning.modality import Modality
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.held_out import HeldOutSampler, held_out_loader
 from grpo_lightning.rollout.kind import RolloutKind
@@ -211,13 +212,14 @@ class PromptData:
         )
         return held_out_loader(data, self.val_batch_size, sampler, rank=rank, world_size=world)
 
-    def encoder(self, tokenizer: Any = None) -> PromptEncoder:
-        """The prompts' encoder for ``tokenizer`` (default: the policy's), with this module's chat settings; a
-        the policy's modality's (``rollout/prompts.py: prompt_encoder``: a vision-language model's encodes the rows'
-        images too)."""
+    def encoder(self, tokenizer: Any = None, modality: Modality | None = None) -> PromptEncoder:
+        """The prompts' encoder for ``tokenizer`` of ``modality`` (default: the policy's), with this module's chat
+        settings: the modality's (``rollout/prompts.py: prompt_encoder``: a vision-language model's encodes the rows'
+        images too). Outside a fit (a tool with a module of its own), give both."""
         tokenizer = self.policy_side.tokenizer if tokenizer is None else tokenizer
+        modality = self.policy_side.modality if modality is None else modality
         settings = {"system_prompt": self.system_prompt, "chat_template_kwargs": self.chat_template_kwargs}
-        return prompt_encoder(self.policy_side.modality, tokenizer, self.use_chat_template, **settings)
+        return prompt_encoder(modality, tokenizer, self.use_chat_template, **settings)
 
 
 def checked_rows(

@@ -113,8 +113,8 @@ class RolloutDataModule(PromptData, LightningDataModule):
             engine: what samples the completions: ``auto`` (= ``lean``), ``lean``, ``transformers``, ``vllm``, or
                 ``{class_path, init_args}`` of a ``grpo_lightning.engines.RolloutEngine``.
             environment: multi-turn rollouts against ``{class_path, init_args}`` of a
-                ``grpo_lightning.environments.Environment`` (e.g. ``ToolEnvironment``: tool calls answered across
-                turns, ``max_turns`` and per-turn limits among its settings); ``sampling.max_new_tokens`` then
+                ``grpo_lightning.integrations.environments.Environment`` (e.g. ``ToolEnvironment``: tool calls answered
+                across turns, ``max_turns`` and per-turn limits among its settings); ``sampling.max_new_tokens`` then
                 limits everything after the prompt, turns and observations together. None: one completion each.
                 Any ``grpo_lightning.rollout.kind.RolloutKind`` (an agent environment, a user's class) is taken.
             sampling: rollout sampling settings (group size G, lengths, temperature, top-p, top-k).

@@ -4,9 +4,10 @@ Every way the run samples is an implementation of it, and the core calls this in
 
 - single-turn sampling, the core's own (``rollout/sample_and_score.py: SingleTurn``): what ``data.environment:
   null`` means;
-- multi-turn environments (``environments/base.Environment`` and its subclasses: tools, OpenEnv, skyrl-gym, TRL's
-  classes), through ``rollout/multiturn.py``;
-- agents that run their own loop (``agents/environment.AgentEnvironment``), through ``agents/rollout.py``;
+- multi-turn environments (``integrations/environments/base.Environment`` and its subclasses: tools, OpenEnv, skyrl-gym,
+  TRL's classes), through ``integrations/environments/multiturn.py``;
+- agents that run their own loop (``integrations/agents/environment.AgentEnvironment``), through
+  ``integrations/agents/rollout.py``;
 - a user's class: ``data.environment: {class_path: my_pkg.MyRollout, init_args: {...}}``.
 
 Every implementation scores through the round's ``Scorer``: reward functions and the kind's own reward parts (an
@@ -116,6 +117,7 @@ def check_rollout_kind(value: Any) -> RolloutKind | None:
     if value is None or isinstance(value, RolloutKind):
         return value
     raise ConfigError(
-        "data.environment must be {class_path: ..., init_args: {...}} of a grpo_lightning.environments.Environment "
+        "data.environment must be {class_path: ..., init_args: {...}} of a "
+        "grpo_lightning.integrations.environments.Environment "
         f"or grpo_lightning.rollout.kind.RolloutKind subclass (got {type(value).__name__})"
     )

@@ -176,7 +176,8 @@ class PromptEncoder:
             system_prompt: a system message put first in every prompt that has none (needs the chat template).
             chat_template_kwargs: further arguments of ``tokenizer.apply_chat_template`` (the template's
                 variables, e.g. Qwen3's ``enable_thinking: false``).
-            modality: the policy's (``grpo_lightning/modality.py``): what the rows' inputs are, how they repeat for
+            modality: the policy's (``grpo_lightning/modality.py``): what the rows' inputs are, how they repeat
+            for
                 a group, which engines can take them. Text here; another modality's encoder passes its own.
         """
         self.modality = modality
@@ -220,8 +221,8 @@ class PromptEncoder:
         self, rows: Mapping[str, list[Any]], device: torch.device | str = "cpu"
     ) -> tuple[Tensor, Tensor, list[dict[str, Tensor]] | None]:
         """``encode`` of a round's ``rows`` (a dict of columns with ``prompt``), and each row's inputs beyond its ids
-        (``modality.Rows``): None here; another modality's encoder (a vision-language model's: ``vision/encoder.py``)
-        makes them."""
+        (``modality.Rows``): None here; another modality's encoder (a vision-language model's:
+        ``integrations/vision/encoder.py``) makes them."""
         prompt_ids, prompt_mask = self.encode(rows["prompt"], device)
         return prompt_ids, prompt_mask, None
 

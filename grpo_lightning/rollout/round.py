@@ -65,8 +65,9 @@ class RoundSettings:
     π_prox / μ, truncated or masked), ``behaviour`` (ratio to μ directly) or ``none`` (ratio to π_prox only)."""
     teacher_weight: float | None = None
     """On-policy distillation (``model.teacher``): this round's λ of the per-token advantage λ · (log π_T − log π_S)
-    (``models/teacher.py``); None: no teacher this round. π_S, the student's unfiltered log-probs, are then recorded
-    as π_old (at a lag with ``behaviour``, where π_old is μ, by a pass of their own: ``student_pass``)."""
+    (``integrations/distillation/teacher.py``); None: no teacher this round. π_S, the student's unfiltered log-probs,
+    are then recorded as π_old (at a lag with ``behaviour``, where π_old is μ, by a pass of their own:
+    ``student_pass``)."""
 
     @property
     def record_old(self) -> bool:
@@ -206,7 +207,8 @@ def finish_round(
         # every rank takes the names of all ranks (a count 0, a reward part None where it had none: ``_column``), so
         # all log the same metrics. Only such a kind's names differ (it declares so); otherwise, no collective.
         batch.align_columns(agreed_names(batch.column_names(), per_rank))
-    # 4. group-relative advantages, over trajectories: the rows of an agent's session (agents/) take its own
+    # 4. group-relative advantages, over trajectories: the rows of an agent's session (integrations/agents/) take its
+    # own
     batch.advantages = batch.trajectory_values(compute_advantages(batch.per_trajectory(), settings, all_gather))
     # Multi-turn: the policy's tokens only; environment tokens stay context, out of the loss and the KL.
     batch.loss_mask = (batch.completion_mask if batch.action_mask is None else batch.action_mask).clone()
@@ -359,7 +361,9 @@ def rollout_metrics(batch: RolloutBatch, settings: RoundSettings, timings: dict[
         metrics["rollout/unscorable_fraction"] = batch.unscorable.float().mean().item()
     for name, value in batch.reward_log.items():  # what reward functions logged with ``log_metric``
         metrics[f"reward_log/{name}"] = value
-    metrics.update({f"agent/{name}": value for name, value in batch.agent_log.items()})  # agents/rollout.py
+    metrics.update(
+        {f"agent/{name}": value for name, value in batch.agent_log.items()}
+    )  # integrations/agents/rollout.py
     for phase, seconds in timings.items():
         metrics[f"time/{phase}"] = seconds
     if timings.get("generate"):

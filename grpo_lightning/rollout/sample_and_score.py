@@ -4,9 +4,9 @@ The training round, held-out evaluation (greedy pass@1 and k samples for pass@k 
 all call ``sample_and_score``, which asks the round's rollout kind (``rollout/kind.py: RolloutKind``,
 ``data.environment``) for its scored rows. ``SingleTurn``, here, is the core's own kind (``data.environment:
 null``): encode the prompts, have the engine sample, decode, score with every reward. Another kind samples its own
-way (an environment's multi-turn trajectories, ``rollout/multiturn.py``; an agent's sessions, ``agents/rollout.py``)
-and, for completions it sampled, scores them through ``score_completions``: one path from completions to a scored
-``RolloutBatch``, whatever sampled them.
+way (an environment's multi-turn trajectories, ``integrations/environments/multiturn.py``; an agent's sessions,
+``integrations/agents/rollout.py``) and, for completions it sampled, scores them through ``score_completions``: one path
+from completions to a scored ``RolloutBatch``, whatever sampled them.
 """
 
 from __future__ import annotations

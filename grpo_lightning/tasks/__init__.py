@@ -18,10 +18,12 @@ TaskFactory = Callable[..., DatasetDict]
 _TASKS: dict[str, TaskFactory] = {}
 
 # Modules that register built-in tasks; imported on first use so that importing the package stays cheap.
-_BUILTIN_MODULES = ("arithmetic", "countdown", "gsm8k", "math", "multiplication", "vision")
+_BUILTIN_MODULES = tuple(
+    f"grpo_lightning.tasks.{name}" for name in ("arithmetic", "countdown", "gsm8k", "math", "multiplication")
+) + ("grpo_lightning.integrations.vision.tasks",)
 # Task families: ``family:task`` names made by a module of their own (its ``load(task, curriculum=, **kwargs)``),
 # imported only when a config names one: the package behind it is an optional extra.
-_FAMILIES = {"reasoning_gym": "grpo_lightning.tasks.reasoning_gym"}
+_FAMILIES = {"reasoning_gym": "grpo_lightning.integrations.reasoning_gym.tasks"}
 
 
 def _family(name: str) -> tuple[str, str] | None:
@@ -42,7 +44,7 @@ def register_task(name: str) -> Callable[[TaskFactory], TaskFactory]:
 
 def _load_builtins() -> None:
     for module in _BUILTIN_MODULES:
-        importlib.import_module(f"grpo_lightning.tasks.{module}")
+        importlib.import_module(module)
 
 
 def available_tasks() -> list[str]:

@@ -1,5 +1,5 @@
-"""Agents that run their own loop (``grpo_lightning/agents/``): a two-turn agent written here with the ``openai``
-client, run unchanged against the round's gateway on the lean engine.
+"""Agents that run their own loop (``grpo_lightning/integrations/agents/``): a two-turn agent written here with the
+``openai`` client, run unchanged against the round's gateway on the lean engine.
 
 Checked: what is recorded is what the engine drew (ids and log-probs, the trainer's own on the policy's tokens);
 turns that extend the previous prompt + completion are one row with the model's tokens alone in the loss; a history
@@ -29,15 +29,15 @@ from transformers import AutoModelForCausalLM
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.advantages import group_advantages
-from grpo_lightning.agents import AgentEnvironment
-from grpo_lightning.agents.calls import AgentRow, Call, merge_calls
-from grpo_lightning.agents.gateway import Gateway
-from grpo_lightning.agents.rollout import rows_batch, sample_and_score_agents
-from grpo_lightning.agents.serving import CallServer
 from grpo_lightning.cli import TRAINER_DEFAULTS
 from grpo_lightning.config import AdvantageConfig, ConfigError
 from grpo_lightning.engines import LeanEngine, SamplingParams
-from grpo_lightning.environments.tools import calculator
+from grpo_lightning.integrations.agents import AgentEnvironment
+from grpo_lightning.integrations.agents.calls import AgentRow, Call, merge_calls
+from grpo_lightning.integrations.agents.gateway import Gateway
+from grpo_lightning.integrations.agents.rollout import rows_batch, sample_and_score_agents
+from grpo_lightning.integrations.agents.serving import CallServer
+from grpo_lightning.integrations.environments.tools import calculator
 from grpo_lightning.models.build import load_tokenizer
 from grpo_lightning.models.logprobs import completion_logprobs
 from grpo_lightning.rewards.scorer import Scorer

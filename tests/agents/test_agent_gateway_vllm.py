@@ -25,10 +25,10 @@ from test_vllm import VLLM_TINY  # noqa: E402
 from vllm_servers import BLOCK_SIZE  # noqa: E402
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig  # noqa: E402
-from grpo_lightning.agents import AgentEnvironment  # noqa: E402
 from grpo_lightning.callbacks.policy_sync import OldPolicySync  # noqa: E402
 from grpo_lightning.cli import TRAINER_DEFAULTS  # noqa: E402
-from grpo_lightning.engines.vllm import VLLMEngine  # noqa: E402
+from grpo_lightning.integrations.agents import AgentEnvironment  # noqa: E402
+from grpo_lightning.integrations.vllm.engine import VLLMEngine  # noqa: E402
 from grpo_lightning.models.logprobs import completion_logprobs  # noqa: E402
 from grpo_lightning.models.tiny import build_char_tokenizer, build_tiny_llama  # noqa: E402
 

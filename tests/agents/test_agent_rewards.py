@@ -1,4 +1,5 @@
-"""An agent's return value is a reward column like a reward function's (``agents/rollout.py``): None is "not
+"""An agent's return value is a reward column like a reward function's (``integrations/agents/rollout.py``): None is
+"not
 applicable", a session no column scores is left out of its group's baseline, and a failed session (``on_error:
 skip``) is out of every column, so that the sum's advantages and GDPO's agree on who is scored.
 

@@ -20,7 +20,7 @@ import time
 import openai
 from test_agent_gateway import calc, gateway_server, post, run, serve_while  # noqa: F401 - fixtures by name
 
-from grpo_lightning.agents.gateway import Gateway
+from grpo_lightning.integrations.agents.gateway import Gateway
 
 
 def raw_request(gateway: Gateway, path: str, headers: dict[str, str], body: bytes = b"") -> socket.socket:
@@ -157,7 +157,7 @@ def test_a_fault_inside_the_gateway_is_answered_and_logged_in_one_line(gateway_s
         raise KeyError("something the gateway did not expect")
 
     gateway.check = broken_check
-    with caplog.at_level(logging.WARNING, logger="grpo_lightning.agents.gateway"):
+    with caplog.at_level(logging.WARNING, logger="grpo_lightning.integrations.agents.gateway"):
         status, answer = post(gateway.base_url(session) + "/completions", {"prompt": "1="}, gateway.token)
     assert status == 500 and "KeyError" in answer["error"]["message"]
     assert [r.getMessage().count("\n") for r in caplog.records] == [0] and "Traceback" not in capsys.readouterr().err

@@ -159,14 +159,17 @@ CATALOGUE = {
     "unknown_tool": (
         setting(
             "data.environment",
-            {"class_path": "grpo_lightning.environments.ToolEnvironment", "init_args": {"tools": ["abacus"]}},
+            {
+                "class_path": "grpo_lightning.integrations.environments.ToolEnvironment",
+                "init_args": {"tools": ["abacus"]},
+            },
         ),
         "data.environment.init_args.tools: unknown tool 'abacus'",
     ),
     "max_turns_0": (
         setting(
             "data.environment",
-            {"class_path": "grpo_lightning.environments.ToolEnvironment", "init_args": {"max_turns": 0}},
+            {"class_path": "grpo_lightning.integrations.environments.ToolEnvironment", "init_args": {"max_turns": 0}},
         ),
         "data.environment.init_args.max_turns must be >= 1",
     ),

@@ -19,13 +19,13 @@ from grpo_lightning.plugins import load_plugin
 # The integration modules whose entry points these registries hold (``rewards.sandbox``, which ``code_execution``
 # runs, is also a tool environment's: not listed here).
 PLUGGED_IN = (
-    "grpo_lightning.models.teacher",
-    "grpo_lightning.models.served_teacher",
-    "grpo_lightning.sft",
-    "grpo_lightning.engines.vllm",
-    "grpo_lightning.engines.vllm_server",
-    "grpo_lightning.rewards.code",
-    "grpo_lightning.rewards.reasoning_gym",
+    "grpo_lightning.integrations.distillation.teacher",
+    "grpo_lightning.integrations.distillation.served_teacher",
+    "grpo_lightning.integrations.sft",
+    "grpo_lightning.integrations.vllm.engine",
+    "grpo_lightning.integrations.vllm.server",
+    "grpo_lightning.integrations.sandbox.code",
+    "grpo_lightning.integrations.reasoning_gym.rewards",
 )
 
 
@@ -57,11 +57,11 @@ def test_importing_the_cli_and_the_module_imports_no_plugged_in_integration():
     )
     assert seen["imported"] == []
     assert seen["a core reward"] == []
-    assert seen["code_execution"] == ["grpo_lightning.rewards.code"]
+    assert seen["code_execution"] == ["grpo_lightning.integrations.sandbox.code"]
 
 
 def test_the_sft_subcommand_comes_from_the_table_of_integration_commands():
-    assert cli.SUBCOMMANDS == {"sft": "grpo_lightning.sft:SFTCLI"}
+    assert cli.SUBCOMMANDS == {"sft": "grpo_lightning.integrations.sft:SFTCLI"}
     sft_cli = load_plugin(cli.SUBCOMMANDS["sft"])
     assert cli.SFTCLI is sft_cli and issubclass(sft_cli, cli.GRPOCLI)  # importable from the CLI as before
     assert not sft_cli.epochs_are_rounds and cli.GRPOCLI.epochs_are_rounds
@@ -78,7 +78,10 @@ def test_an_unknown_sft_setting_is_refused_as_before(capsys):
 
 @pytest.mark.parametrize(
     ("name", "module"),
-    [("code_execution", "grpo_lightning.rewards.code"), ("reasoning_gym", "grpo_lightning.rewards.reasoning_gym")],
+    [
+        ("code_execution", "grpo_lightning.integrations.sandbox.code"),
+        ("reasoning_gym", "grpo_lightning.integrations.reasoning_gym.rewards"),
+    ],
 )
 def test_the_integrations_rewards_are_listed_and_resolve_to_their_functions(name, module):
     from grpo_lightning import rewards

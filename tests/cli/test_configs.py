@@ -193,7 +193,7 @@ def geometry3k_recipe(work: Path) -> tuple[type, list[str]]:
     row, ``<image>`` in the problem) instead of the Hub's model and dataset; a round of 2 problems × G = 5."""
     from PIL import Image, ImageDraw
 
-    from grpo_lightning.vision.tiny import build_tiny_vlm
+    from grpo_lightning.integrations.vision.tiny import build_tiny_vlm
 
     files = {}
     for split, rows in (("train", 4), ("test", 2)):

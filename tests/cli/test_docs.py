@@ -355,13 +355,13 @@ def _sections(sft: bool) -> dict[str, type]:
     import grpo_lightning.callbacks  # noqa: F401
     import grpo_lightning.engines.hf  # noqa: F401
     import grpo_lightning.engines.lean  # noqa: F401
-    import grpo_lightning.engines.vllm  # noqa: F401
-    import grpo_lightning.engines.vllm_server  # noqa: F401
-    import grpo_lightning.environments  # noqa: F401
+    import grpo_lightning.integrations.environments  # noqa: F401
+    import grpo_lightning.integrations.vllm.engine  # noqa: F401
+    import grpo_lightning.integrations.vllm.server  # noqa: F401
     import grpo_lightning.strategies  # noqa: F401
+    from grpo_lightning.integrations.sft import SFTDataModule, SFTModule
     from grpo_lightning.module import GRPOModule
     from grpo_lightning.rollout.datamodule import RolloutDataModule
-    from grpo_lightning.sft import SFTDataModule, SFTModule
 
     if sft:
         return {"model": SFTModule, "data": SFTDataModule, "trainer": Trainer}
@@ -643,7 +643,7 @@ model:
     betta: 0.1
 data:
   engine:
-    class_path: grpo_lightning.engines.vllm_server.VLLMServerEngine
+    class_path: grpo_lightning.integrations.vllm.server.VLLMServerEngine
     init_args:
       base_urls: [http://127.0.0.1:8000]
       base_url: http://127.0.0.1:8000

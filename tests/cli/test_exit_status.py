@@ -17,8 +17,8 @@ from test_bad_inputs import BASE, error_lines
 
 from grpo_lightning import GRPOModule
 from grpo_lightning.cli import main
-from grpo_lightning.environments.local_server import free_port
 from grpo_lightning.errors import EXIT_CODES
+from grpo_lightning.integrations.environments.local_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,7 +123,7 @@ def test_a_served_teacher_that_is_down_is_one_line_with_status_3(run):
 def test_a_vllm_server_that_is_down_is_one_line_with_status_3(run):
     url = down()
     engine = {
-        "class_path": "grpo_lightning.engines.vllm_server.VLLMServerEngine",
+        "class_path": "grpo_lightning.integrations.vllm.server.VLLMServerEngine",
         "init_args": {"base_urls": [url], "connect_timeout_s": 1},
     }
     code, lines = run(config={"data.engine": engine})

@@ -87,12 +87,12 @@ def test_a_name_is_registered_once_and_only_for_an_engine(registry):
 def test_the_built_in_names_and_their_order_are_todays():
     assert engines.ENGINE_NAMES == ("auto", "lean", "transformers", "vllm", "vllm_server")
     assert isinstance(build_engine("auto"), LeanEngine) and isinstance(build_engine("transformers"), TransformersEngine)
-    assert engines.ENGINES["vllm"] == "grpo_lightning.engines.vllm:VLLMEngine"  # a path: loaded when named
+    assert engines.ENGINES["vllm"] == "grpo_lightning.integrations.vllm.engine:VLLMEngine"  # a path: loaded when named
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
 def test_vllm_without_vllm_installed_gives_todays_one_line_error():
-    from grpo_lightning.engines.vllm import NOT_INSTALLED
+    from grpo_lightning.integrations.vllm.engine import NOT_INSTALLED
 
     with pytest.raises(ConfigError) as refused:
         build_engine("vllm")

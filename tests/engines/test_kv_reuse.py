@@ -20,11 +20,11 @@ from transformers import AutoModelForCausalLM
 from grpo_lightning.engines import LeanEngine, SamplingParams, TransformersEngine
 from grpo_lightning.engines import lean as lean_engine
 from grpo_lightning.engines.model_decoder import ModelDecoder
-from grpo_lightning.environments import ToolEnvironment
+from grpo_lightning.integrations.environments import ToolEnvironment
+from grpo_lightning.integrations.environments.multiturn import generate_trajectories
 from grpo_lightning.models.build import load_tokenizer
 from grpo_lightning.models.lean_decoder import LeanDecoder
 from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
-from grpo_lightning.rollout.multiturn import generate_trajectories
 from grpo_lightning.rollout.prompts import PromptEncoder
 
 ENGINES = {

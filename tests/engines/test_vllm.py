@@ -37,7 +37,7 @@ from engine_contract import (  # noqa: E402
 from vllm_servers import BLOCK_SIZE  # noqa: E402
 
 from grpo_lightning.engines import SamplingParams  # noqa: E402
-from grpo_lightning.engines.vllm import VLLMEngine  # noqa: E402
+from grpo_lightning.integrations.vllm.engine import VLLMEngine  # noqa: E402
 from grpo_lightning.models.logprobs import completion_logprobs  # noqa: E402
 from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama  # noqa: E402
 from grpo_lightning.rollout.prompts import PromptEncoder  # noqa: E402

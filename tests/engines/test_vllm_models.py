@@ -30,12 +30,12 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from grpo_lightning.config import ConfigError  # noqa: E402
 from grpo_lightning.engines import LeanEngine, SamplingParams  # noqa: E402
-from grpo_lightning.engines.vllm import VLLMEngine  # noqa: E402
-from grpo_lightning.environments import Environment, Step  # noqa: E402
+from grpo_lightning.integrations.environments import Environment, Step  # noqa: E402
+from grpo_lightning.integrations.environments.multiturn import generate_trajectories  # noqa: E402
+from grpo_lightning.integrations.vllm.engine import VLLMEngine  # noqa: E402
 from grpo_lightning.models.build import load_tokenizer  # noqa: E402
 from grpo_lightning.models.logprobs import completion_logprobs  # noqa: E402
 from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama  # noqa: E402
-from grpo_lightning.rollout.multiturn import generate_trajectories  # noqa: E402
 from grpo_lightning.rollout.prompts import PromptEncoder  # noqa: E402
 
 pytestmark = pytest.mark.vllm

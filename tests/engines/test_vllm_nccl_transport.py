@@ -1,4 +1,4 @@
-"""The ``checked_nccl`` transport (``engines/vllm_nccl.py``), GPU servers' side, on the CPU: vLLM's NCCL engine
+"""The ``checked_nccl`` transport (``integrations/vllm/nccl.py``), GPU servers' side, on the CPU: vLLM's NCCL engine
 receiving through the same checked load as the ``gloo`` transport (``vllm_loading.receive_checked``), its
 broadcasts played by a stand-in communicator (NCCL needs GPUs) and its model a small module with vLLM's
 ``load_weights`` contract (the names it loaded). Marked ``vllm``; skipped where vLLM is not installed."""
@@ -17,7 +17,7 @@ if importlib.util.find_spec("vllm") is None:
         "vllm is not installed (the vllm tests run in their own environment: README, vLLM)", allow_module_level=True
     )
 
-from grpo_lightning.engines.vllm_nccl import CheckedNCCLWeightTransferEngine  # noqa: E402
+from grpo_lightning.integrations.vllm.nccl import CheckedNCCLWeightTransferEngine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

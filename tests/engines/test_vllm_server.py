@@ -42,8 +42,8 @@ from vllm_servers import BLOCK_SIZE, LosingProxy, Server  # noqa: E402
 
 from grpo_lightning.engines import SamplingParams  # noqa: E402
 from grpo_lightning.engines.http import ServerError  # noqa: E402
-from grpo_lightning.engines.vllm_server import VLLMServerEngine  # noqa: E402
-from grpo_lightning.engines.weight_transfer import free_port  # noqa: E402
+from grpo_lightning.integrations.vllm.server import VLLMServerEngine  # noqa: E402
+from grpo_lightning.integrations.vllm.weight_transfer import free_port  # noqa: E402
 from grpo_lightning.models.build import load_tokenizer  # noqa: E402
 from grpo_lightning.models.logprobs import completion_logprobs  # noqa: E402
 from grpo_lightning.models.tiny import build_char_tokenizer, build_tiny_llama  # noqa: E402

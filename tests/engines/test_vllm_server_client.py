@@ -14,8 +14,8 @@ from grpo_lightning.cli import user_error
 from grpo_lightning.config import ConfigError
 from grpo_lightning.engines import build_engine
 from grpo_lightning.engines.http import ServerClient, ServerError
-from grpo_lightning.engines.vllm_server import VLLMServerEngine
-from grpo_lightning.engines.weight_transfer import clear_prefix_cache, finish_update
+from grpo_lightning.integrations.vllm.server import VLLMServerEngine
+from grpo_lightning.integrations.vllm.weight_transfer import clear_prefix_cache, finish_update
 
 
 class StandIn(BaseHTTPRequestHandler):
@@ -90,7 +90,7 @@ def test_a_refusal_is_not_retried_and_keeps_the_servers_reason(stand_in):
 
 
 def test_a_server_that_is_down_is_named_after_the_retries_or_the_start_wait():
-    from grpo_lightning.engines.weight_transfer import free_port
+    from grpo_lightning.integrations.vllm.weight_transfer import free_port
 
     url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     with pytest.raises(ServerError, match=rf"^the vLLM server {url} is unreachable .* on GET /health after 3 tries$"):
@@ -151,7 +151,7 @@ def test_a_server_that_fails_on_a_weight_ends_the_push_at_once_not_at_the_time_l
 
     import torch
 
-    from grpo_lightning.engines.weight_transfer import WeightChannel
+    from grpo_lightning.integrations.vllm.weight_transfer import WeightChannel
 
     blocked = threading.Event()
     channel = WeightChannel([client(stand_in)], transport="gloo", address="127.0.0.1", port=0, timeout_s=60.0)

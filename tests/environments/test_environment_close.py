@@ -7,7 +7,7 @@ import pytest
 from conftest import TINY, quiet_trainer
 
 from grpo_lightning import GRPOModule, RolloutDataModule, SamplingConfig
-from grpo_lightning.environments.base import Environment, Step
+from grpo_lightning.integrations.environments.base import Environment, Step
 
 
 class Closing(Environment):

@@ -16,7 +16,7 @@ from test_multiturn import EOS, ScriptedEngine
 
 from grpo_lightning.config import AdvantageConfig, SamplingConfig
 from grpo_lightning.engines.base import SamplingParams
-from grpo_lightning.environments import Environment, Step
+from grpo_lightning.integrations.environments import Environment, Step
 from grpo_lightning.models.tiny import build_char_tokenizer
 from grpo_lightning.rewards import RewardSpec, register
 from grpo_lightning.rewards.scorer import Scorer
@@ -146,7 +146,7 @@ def test_skyrl_gym_and_openenv_declare_their_weight_instead_of_multiplying():
     pytest.importorskip("skyrl_gym")
     from test_skyrl_gym import rollout as skyrl_rollout
 
-    from grpo_lightning.environments import SkyRLGymEnvironment
+    from grpo_lightning.integrations.environments import SkyRLGymEnvironment
 
     env = SkyRLGymEnvironment(env_id="grpo_test_countdown", reward_weight=100.0, max_turns=3)
     out = skyrl_rollout(env, {"prompt": [[{"role": "user", "content": "go"}]], "count": [2]}, lambda c: "ok<|im_end|>")

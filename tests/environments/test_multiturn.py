@@ -11,12 +11,12 @@ import torch
 from conftest import TINY
 
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams, stop_lengths
-from grpo_lightning.environments import Environment, Step, ToolEnvironment
+from grpo_lightning.integrations.environments import Environment, Step, ToolEnvironment
+from grpo_lightning.integrations.environments.multiturn import cut_at_stop_text, generate_trajectories
 from grpo_lightning.losses import grpo_loss
 from grpo_lightning.models.logprobs import completion_logprobs
 from grpo_lightning.models.tiny import build_char_tokenizer, build_tiny_llama
 from grpo_lightning.rewards.scorer import Scorer
-from grpo_lightning.rollout.multiturn import cut_at_stop_text, generate_trajectories
 from grpo_lightning.rollout.prompts import PromptEncoder
 from grpo_lightning.rollout.sample_and_score import sample_and_score
 

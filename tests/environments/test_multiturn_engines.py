@@ -21,10 +21,10 @@ from grpo_lightning.callbacks.completions import completion_rows
 from grpo_lightning.checkpoint_io import AtomicCheckpointIO
 from grpo_lightning.cli import TRAINER_DEFAULTS
 from grpo_lightning.engines import LeanEngine, TransformersEngine
-from grpo_lightning.environments import ToolEnvironment
+from grpo_lightning.integrations.environments import ToolEnvironment
+from grpo_lightning.integrations.environments.multiturn import generate_trajectories
 from grpo_lightning.models.build import load_tokenizer
 from grpo_lightning.models.logprobs import completion_logprobs
-from grpo_lightning.rollout.multiturn import generate_trajectories
 from grpo_lightning.rollout.prompts import PromptEncoder
 
 TINY_CALC = str(Path(__file__).resolve().parents[2] / "grpo_lightning" / "assets" / "tiny-calc")

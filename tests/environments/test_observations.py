@@ -14,9 +14,9 @@ from test_multiturn import ScriptedEngine
 
 from grpo_lightning.config import ConfigError
 from grpo_lightning.engines.base import SamplingParams
-from grpo_lightning.environments import Environment, Step, ToolEnvironment
+from grpo_lightning.integrations.environments import Environment, Step, ToolEnvironment
+from grpo_lightning.integrations.environments.multiturn import generate_trajectories
 from grpo_lightning.models.tiny import build_char_tokenizer
-from grpo_lightning.rollout.multiturn import generate_trajectories
 from grpo_lightning.rollout.prompts import PromptEncoder
 
 

@@ -39,9 +39,9 @@ from test_multiturn import chat_rollout  # noqa: E402
 
 from grpo_lightning.config import ConfigError  # noqa: E402
 from grpo_lightning.engines import LeanEngine, SamplingParams  # noqa: E402
-from grpo_lightning.environments import OpenEnvEnvironment  # noqa: E402
-from grpo_lightning.environments.local_server import free_port  # noqa: E402
-from grpo_lightning.rollout.multiturn import generate_trajectories  # noqa: E402
+from grpo_lightning.integrations.environments import OpenEnvEnvironment  # noqa: E402
+from grpo_lightning.integrations.environments.local_server import free_port  # noqa: E402
+from grpo_lightning.integrations.environments.multiturn import generate_trajectories  # noqa: E402
 from grpo_lightning.rollout.prompts import PromptEncoder  # noqa: E402
 
 TINY_CALC = str(Path(__file__).resolve().parents[2] / "grpo_lightning" / "assets" / "tiny-calc")
@@ -402,7 +402,7 @@ def test_a_server_the_run_starts_serves_rollouts_a_killed_one_is_one_line_and_cl
 def test_close_stops_a_server_and_one_whose_parent_is_killed_stops_with_it(tmp_path):
     """``LocalServer`` with a plain HTTP server: ``stop`` ends it; a process killed with SIGKILL (no atexit, no
     close) takes its server with it (the parent-death signal)."""
-    from grpo_lightning.environments.local_server import LocalServer
+    from grpo_lightning.integrations.environments.local_server import LocalServer
 
     command = [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "{port}", "--directory", str(tmp_path)]
     server = LocalServer(command, "test")
@@ -413,7 +413,7 @@ def test_close_stops_a_server_and_one_whose_parent_is_killed_stops_with_it(tmp_p
     child = textwrap.dedent(
         f"""
         import os, signal, sys
-        from grpo_lightning.environments.local_server import LocalServer
+        from grpo_lightning.integrations.environments.local_server import LocalServer
         server = LocalServer({command!r}, "test")
         server.start()
         print(server.process.pid, flush=True)
@@ -446,7 +446,7 @@ model: {{model_name_or_path: {model}}}
 data:
   dataset: rows.jsonl
   rewards: [{{name: helpers.length_reward}}]
-  environment: {{class_path: grpo_lightning.environments.OpenEnvEnvironment, init_args: {init_args}}}
+  environment: {{class_path: grpo_lightning.integrations.environments.OpenEnvEnvironment, init_args: {init_args}}}
 """
         )
         return GRPOCLI(args=["--config", "run.yaml"], run=False).datamodule.environment
@@ -460,7 +460,7 @@ data:
 
 
 def test_a_server_that_exits_at_start_is_one_line_with_its_last_output():
-    from grpo_lightning.environments.local_server import LocalServer
+    from grpo_lightning.integrations.environments.local_server import LocalServer
 
     command = [sys.executable, "-c", "import sys; print('no such model: x'); sys.exit(3)", "{port}"]
     with pytest.raises(RuntimeError) as caught:

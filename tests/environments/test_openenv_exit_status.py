@@ -1,7 +1,7 @@
 """An OpenEnv server that fails a run ends it with one ``error:`` line and the status of its kind, through the CLI's
 entry point (``test_exit_status.cli_run``): a server at ``url`` that refuses the connection or never answers is an
 unreachable service (3); an environment that raises on its server, or a server the run started that dies, is a
-crashed environment (4). README, Exit status; ``environments/openenv_sessions.py``.
+crashed environment (4). README, Exit status; ``integrations/environments/openenv_sessions.py``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,12 @@ def run(tmp_path, monkeypatch, capsys):
 def environment(**init_args) -> dict:
     """``data.environment``: an OpenEnv environment, one try per request, resets without arguments."""
     settings = {"max_retries": 0, "timeout_s": 1.0, "reset_columns": [], **init_args}
-    return {"data.environment": {"class_path": "grpo_lightning.environments.OpenEnvEnvironment", "init_args": settings}}
+    return {
+        "data.environment": {
+            "class_path": "grpo_lightning.integrations.environments.OpenEnvEnvironment",
+            "init_args": settings,
+        }
+    }
 
 
 class CrashingReset(openenv_guess.GuessEnvironment):

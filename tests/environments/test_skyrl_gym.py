@@ -26,7 +26,7 @@ from test_chat_formats import qwen_tokenizer  # noqa: E402
 from test_multiturn import chat_rollout, parts  # noqa: E402
 
 from grpo_lightning.config import ConfigError  # noqa: E402
-from grpo_lightning.environments import SkyRLGymEnvironment  # noqa: E402
+from grpo_lightning.integrations.environments import SkyRLGymEnvironment  # noqa: E402
 
 END = "<|im_end|>"
 STATS = {"in_flight": 0, "most_in_flight": 0}
@@ -257,7 +257,7 @@ data:
   sampling: {{group_size: 2, max_new_tokens: 12}}
   rewards: [{{name: helpers.length_reward}}]
   environment:
-    class_path: grpo_lightning.environments.SkyRLGymEnvironment
+    class_path: grpo_lightning.integrations.environments.SkyRLGymEnvironment
     init_args:
       max_turns: 2
       max_observation_tokens: 200

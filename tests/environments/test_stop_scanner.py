@@ -9,7 +9,7 @@ import random
 import pytest
 from test_stop_texts import TEXTS, TOKENIZERS, CountingDecodes, first_prefix_holding, ids_of
 
-from grpo_lightning.environments.stops import StopScanner, decode, find_stop
+from grpo_lightning.integrations.environments.stops import StopScanner, decode, find_stop
 from grpo_lightning.models.tiny import build_char_tokenizer
 
 STOPS = (("</tool>",), ("<|stop|>",), ("</tool>", "<|stop|>"), ("é€",), ("", "</tool>"), ())

@@ -14,9 +14,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from grpo_lightning.engines.base import SamplingParams, stop_lengths
-from grpo_lightning.environments import ToolEnvironment
+from grpo_lightning.integrations.environments import ToolEnvironment
+from grpo_lightning.integrations.environments.multiturn import cut_at_stop_text, generate_trajectories, stop_sequences
 from grpo_lightning.models.tiny import build_char_tokenizer
-from grpo_lightning.rollout.multiturn import cut_at_stop_text, generate_trajectories, stop_sequences
 from grpo_lightning.rollout.prompts import PromptEncoder
 
 

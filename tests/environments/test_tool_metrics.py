@@ -8,7 +8,7 @@ from __future__ import annotations
 from test_multiturn import EOS, calculator_policy, run
 from test_trl_environments import MATH, QUESTION, math_policy, rollout, set_up
 
-from grpo_lightning.environments.tool_env import TOOL_METRICS
+from grpo_lightning.integrations.environments.tool_env import TOOL_METRICS
 
 
 def test_a_round_without_a_tool_call_logs_every_tool_metric_as_0():

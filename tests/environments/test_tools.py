@@ -11,11 +11,11 @@ import pytest
 
 from grpo_lightning import environments
 from grpo_lightning.config import ConfigError
-from grpo_lightning.environments import ToolEnvironment, ToolError, calculator, resolve_tool
-from grpo_lightning.environments.tools import PythonTool
+from grpo_lightning.integrations.environments import ToolEnvironment, ToolError, calculator, resolve_tool
+from grpo_lightning.integrations.environments.tools import PythonTool
+from grpo_lightning.integrations.sandbox import sandbox
+from grpo_lightning.integrations.sandbox.sandbox import SandboxConfig
 from grpo_lightning.models.tiny import build_char_tokenizer
-from grpo_lightning.rewards import sandbox
-from grpo_lightning.rewards.sandbox import SandboxConfig
 
 
 # ------------------------------------------------------------------------------------------- tools, user side

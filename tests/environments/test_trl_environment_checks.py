@@ -13,7 +13,7 @@ from test_chat_formats import NO_TOOLS, qwen_tokenizer
 from test_trl_environments import MATH, QUESTION, WEATHER, set_up
 
 from grpo_lightning.config import ConfigError
-from grpo_lightning.environments import TRLEnvironment
+from grpo_lightning.integrations.environments import TRLEnvironment
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.rewards import RewardSpec
 from grpo_lightning.rewards.scorer import Scorer
@@ -108,7 +108,7 @@ data:
   sampling: {{group_size: 2, max_new_tokens: 12}}
   rewards: [{{name: {ANSWER_LENGTH}}}]
   environment:
-    class_path: grpo_lightning.environments.TRLEnvironment
+    class_path: grpo_lightning.integrations.environments.TRLEnvironment
     init_args:
       factory: {{weather: {WEATHER}, math: {MATH}}}
       max_turns: 2

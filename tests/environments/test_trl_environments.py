@@ -17,7 +17,7 @@ from test_chat_formats import qwen_tokenizer
 from test_multiturn import ScriptedEngine, chat_rollout, parts
 
 from grpo_lightning.engines.base import SamplingParams
-from grpo_lightning.environments import TRLEnvironment
+from grpo_lightning.integrations.environments import TRLEnvironment
 from grpo_lightning.models.tiny import TinyModelConfig, build_tiny_llama
 from grpo_lightning.rewards import RewardSpec
 from grpo_lightning.rewards.scorer import Scorer

@@ -1,5 +1,5 @@
-"""``rollout/turn_tokens.py``: a turn's observations tokenized in one call give each observation's own ids (cut to
-``max_observation_tokens`` with one warning per environment class), and the padded tensors equal row-by-row
+"""``integrations/environments/turn_tokens.py``: a turn's observations tokenized in one call give each observation's own
+ids (cut to ``max_observation_tokens`` with one warning per environment class), and the padded tensors equal row-by-row
 padding, for empty rows, one row and a round's 256."""
 
 from __future__ import annotations
@@ -12,9 +12,13 @@ import torch
 import torch.nn.functional as F
 from test_stop_texts import TOKENIZERS
 
-from grpo_lightning.environments import ToolEnvironment
-from grpo_lightning.rollout import turn_tokens
-from grpo_lightning.rollout.turn_tokens import left_padded, observation_ids, observations_ids, right_padded
+from grpo_lightning.integrations.environments import ToolEnvironment, turn_tokens
+from grpo_lightning.integrations.environments.turn_tokens import (
+    left_padded,
+    observation_ids,
+    observations_ids,
+    right_padded,
+)
 
 
 def rows_of(rng: random.Random, count: int, empty: bool = True) -> list[list[int]]:

@@ -18,9 +18,9 @@ import torch
 from datasets import Dataset
 from test_agent_gateway import calc  # noqa: F401 - the fixture, used by name
 
-from grpo_lightning.agents import AgentEnvironment
-from grpo_lightning.agents.calls import AgentRow, Call, merge_calls, scored_row
 from grpo_lightning.config import EvalConfig, SamplingConfig
+from grpo_lightning.integrations.agents import AgentEnvironment
+from grpo_lightning.integrations.agents.calls import AgentRow, Call, merge_calls, scored_row
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.held_out import HeldOutSampler, held_out_loader
 from grpo_lightning.rollout.prompts import PromptEncoder

@@ -1,4 +1,4 @@
-"""On-policy distillation (``model.teacher``, ``grpo_lightning/models/teacher.py``).
+"""On-policy distillation (``model.teacher``, ``grpo_lightning/integrations/distillation/teacher.py``).
 
 The per-token quantities against TRL 1.16's ``DistillationTrainer`` (its reverse KL at beta = 1, on the same
 logits), the sampled advantage as an estimate of minus that KL, the refusals, and a run where the teacher's
@@ -15,7 +15,7 @@ from conftest import TINY, quiet_trainer
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.config import ConfigError
-from grpo_lightning.models.teacher import (
+from grpo_lightning.integrations.distillation.teacher import (
     TeacherConfig,
     check_same_vocabulary,
     distillation_advantages,

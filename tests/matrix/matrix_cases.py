@@ -25,8 +25,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import grpo_lightning.agents  # noqa: F401 - the package's rollout kinds are its subclasses once imported
-import grpo_lightning.environments  # noqa: F401
+import grpo_lightning.integrations.agents  # noqa: F401 - the package's rollout kinds are its subclasses once imported
+import grpo_lightning.integrations.environments  # noqa: F401
 from grpo_lightning.engines import ENGINES
 from grpo_lightning.modality import MODALITY_PLUGINS, TEXT
 from grpo_lightning.rollout.kind import RolloutKind

@@ -106,19 +106,19 @@ def matrix_agent(base_url: str, api_key: str, row: dict[str, Any]) -> float | No
 
 
 def _tool_environment():
-    from grpo_lightning.environments import ToolEnvironment
+    from grpo_lightning.integrations.environments import ToolEnvironment
 
     return ToolEnvironment(tools=["calculator"], format="tag")
 
 
 def _trl_environment():
-    from grpo_lightning.environments import TRLEnvironment
+    from grpo_lightning.integrations.environments import TRLEnvironment
 
     return TRLEnvironment(factory=f"{__name__}:MatrixCounter")
 
 
 def _agent_environment():
-    from grpo_lightning.agents import AgentEnvironment
+    from grpo_lightning.integrations.agents import AgentEnvironment
 
     return AgentEnvironment(agent=f"{__name__}:matrix_agent", max_calls=2, timeout_s=60.0)
 
@@ -160,7 +160,7 @@ def build_models(folder: Path) -> Models:
     from test_chat_formats import qwen_tokenizer
     from vision_models import COLOURS, image_prompt, squares
 
-    from grpo_lightning.vision.tiny import build_tiny_vlm
+    from grpo_lightning.integrations.vision.tiny import build_tiny_vlm
 
     tokenizer = qwen_tokenizer()
     torch.manual_seed(0)

@@ -26,8 +26,8 @@ from grpo_lightning.models import cpu_packing_rule as rule
 from grpo_lightning.models import lean as lean_forward
 from grpo_lightning.models.cpu_packing import GROUPS, cpu_weight_packer, packed_linear
 from grpo_lightning.models.cpu_packing_rule import Timing, decode_plan, pass_plan
-from grpo_lightning.models.lean import shared_prompt_hidden
 from grpo_lightning.models.lean_decoder import LeanDecoder
+from grpo_lightning.models.lean_forward import shared_prompt_hidden
 
 
 @pytest.fixture

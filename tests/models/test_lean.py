@@ -1,4 +1,4 @@
-"""The lean forward (``grpo_lightning.models.lean``) against the ``transformers`` forward it replaces.
+"""The lean forward (``grpo_lightning.models.lean_forward``) against the ``transformers`` forward it replaces.
 
 Every supported architecture, with left-padded prompts and grouped-query attention: logits, log-probs, their
 gradients, sampled tokens and the sampler's own log-probs (π_old when μ > 1) must agree.
@@ -21,8 +21,8 @@ from transformers import (
 from grpo_lightning.engines.lean import sample_completions
 from grpo_lightning.models import cpu_packing, cpu_packing_rule
 from grpo_lightning.models import lean as lean_forward
-from grpo_lightning.models.lean import lean_unsupported, prompt_groups, shared_prompt_hidden
 from grpo_lightning.models.lean_decoder import LeanDecoder
+from grpo_lightning.models.lean_forward import lean_unsupported, prompt_groups, shared_prompt_hidden
 from grpo_lightning.models.logprobs import completion_logprobs, token_positions
 
 

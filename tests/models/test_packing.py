@@ -26,8 +26,8 @@ from helpers import (
 )
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
-from grpo_lightning.environments import ToolEnvironment
-from grpo_lightning.models.lean import lean_unsupported, prompt_groups
+from grpo_lightning.integrations.environments import ToolEnvironment
+from grpo_lightning.models.lean_forward import lean_unsupported, prompt_groups
 from grpo_lightning.models.logprobs import completion_logprobs
 from grpo_lightning.models.packing import (
     full_packing,

@@ -1,4 +1,5 @@
-"""A teacher served by vLLM (``model.teacher.url``, ``grpo_lightning/models/served_teacher.py``), against a stand-in.
+"""A teacher served by vLLM (``model.teacher.url``, ``grpo_lightning/integrations/distillation/served_teacher.py``),
+against a stand-in.
 
 The stand-in answers the four routes the served teacher uses (``/v1/models``, ``/tokenize``, ``/detokenize``,
 ``/v1/completions`` with ``prompt_logprobs``) in vLLM's JSON shapes, from a local Hugging Face model: a run taught
@@ -22,10 +23,10 @@ from test_distillation import save_teacher
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.config import ConfigError
 from grpo_lightning.engines.http import ServerError
-from grpo_lightning.engines.weight_transfer import free_port
+from grpo_lightning.integrations.distillation.served_teacher import ServedTeacher
+from grpo_lightning.integrations.distillation.teacher import TeacherConfig
+from grpo_lightning.integrations.vllm.weight_transfer import free_port
 from grpo_lightning.models.build import load_tokenizer
-from grpo_lightning.models.served_teacher import ServedTeacher
-from grpo_lightning.models.teacher import TeacherConfig
 from grpo_lightning.models.tiny import build_char_tokenizer
 from grpo_lightning.rewards import RewardSpec
 

@@ -24,9 +24,9 @@ from vllm_servers import BLOCK_SIZE, Server  # noqa: E402
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig  # noqa: E402
 from grpo_lightning.config import ConfigError  # noqa: E402
+from grpo_lightning.integrations.distillation.served_teacher import ServedTeacher  # noqa: E402
+from grpo_lightning.integrations.distillation.teacher import TeacherConfig  # noqa: E402
 from grpo_lightning.models.logprobs import completion_logprobs  # noqa: E402
-from grpo_lightning.models.served_teacher import ServedTeacher  # noqa: E402
-from grpo_lightning.models.teacher import TeacherConfig  # noqa: E402
 from grpo_lightning.models.tiny import build_char_tokenizer  # noqa: E402
 from grpo_lightning.rewards import RewardSpec  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The teacher plugs into the core (``grpo_lightning/distillation.py``): its settings (``model.teacher``), its
 contract and the checks of a run are the core's; the module builds the teacher through the plug-in path
-``TEACHER_FACTORY`` (``models/teacher.py: make_teacher``), imported only when a run has a teacher.
+``TEACHER_FACTORY`` (``integrations/distillation/teacher.py: make_teacher``), imported only when a run has a teacher.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def test_the_settings_are_the_cores_and_the_teachers_module_gives_the_same_class
     assert teacher.TeacherConfig is TeacherConfig and teacher.distillation_advantages is distillation_advantages
     assert teacher.check_teacher_run is distillation.check_teacher_run
     assert issubclass(teacher.Teacher, DistillationTeacher)
-    from grpo_lightning.models.served_teacher import ServedTeacher
+    from grpo_lightning.integrations.distillation.served_teacher import ServedTeacher
 
     assert issubclass(ServedTeacher, DistillationTeacher)
 
@@ -44,7 +44,10 @@ def test_the_module_imports_the_teacher_only_for_a_run_with_one():
         """
     )
     assert seen["no teacher"] == []
-    assert seen["a teacher"] == ["grpo_lightning.models.teacher", "grpo_lightning.models.served_teacher"]
+    assert seen["a teacher"] == [
+        "grpo_lightning.integrations.distillation.teacher",
+        "grpo_lightning.integrations.distillation.served_teacher",
+    ]
 
 
 class StandInTeacher(DistillationTeacher):

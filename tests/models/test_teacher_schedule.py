@@ -1,6 +1,7 @@
 """The teacher's weight over the rounds (``model.teacher.weight_schedule``, ``weight_rounds``;
-``grpo_lightning/models/teacher.py``): λ per round against values computed by hand, the refusals in one line (from
-the config and through the CLI), and a run whose rounds take the scheduled λ and, once it is 0, no teacher pass.
+``grpo_lightning/integrations/distillation/teacher.py``): λ per round against values computed by hand, the refusals in
+one line (from the config and through the CLI), and a run whose rounds take the scheduled λ and, once it is 0, no
+teacher pass.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from test_loss_ranges import BASE, refused
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.config import ConfigError
+from grpo_lightning.integrations.distillation.teacher import Teacher, TeacherConfig
 from grpo_lightning.models.logprobs import completion_logprobs
-from grpo_lightning.models.teacher import Teacher, TeacherConfig
 from grpo_lightning.rewards import RewardSpec
 
 # λ = 2, N = 4 rounds, rounds 1..6 (round_index 0..5), by hand:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from grpo_lightning.integrations.sandbox.code import code_execution, extract_code, normalize_tests, outputs_match
+from grpo_lightning.integrations.sandbox.sandbox import SandboxConfig, leftover_pids, namespaces_available, run_tests
 from grpo_lightning.rewards import get
-from grpo_lightning.rewards.code import code_execution, extract_code, normalize_tests, outputs_match
-from grpo_lightning.rewards.sandbox import SandboxConfig, leftover_pids, namespaces_available, run_tests
 
 IS_ROOT = os.geteuid() == 0
 needs_ns = pytest.mark.skipif(not namespaces_available(), reason="needs root and a working `unshare`")
@@ -117,7 +117,7 @@ def test_per_test_time_limit_fails_only_that_test() -> None:
 
 
 def test_64_completions_in_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
-    from grpo_lightning.rewards import code as code_module
+    from grpo_lightning.integrations.sandbox import code as code_module
 
     running, peak, lock = [0], [0], threading.Lock()
     score_code = code_module.score_code
@@ -236,7 +236,7 @@ def test_cannot_signal_the_parent(isolation: str, guards: bool) -> None:
 
 
 def test_a_broken_sandbox_is_an_error_not_a_zero(monkeypatch: pytest.MonkeyPatch) -> None:
-    from grpo_lightning.rewards import sandbox
+    from grpo_lightning.integrations.sandbox import sandbox
 
     monkeypatch.setattr(sandbox, "_HARNESS", "raise SystemExit(3)")
     with pytest.raises(sandbox.SandboxError, match="failed before running the code: exit status 3"):
@@ -253,7 +253,7 @@ def test_a_child_in_its_own_session_is_killed_too(isolation: str, guards: bool) 
 def test_the_child_runs_the_program_shipped_as_a_file(isolation: str, guards: bool) -> None:
     """The sandbox's child runs ``grpo_lightning/assets/sandbox_child.py`` (package data), not a copy in sandbox.py:
     the user code finds that file's docstring on the child's ``__main__``."""
-    from grpo_lightning.rewards import sandbox
+    from grpo_lightning.integrations.sandbox import sandbox
 
     shipped = resources.files("grpo_lightning") / "assets" / "sandbox_child.py"
     first_line = shipped.read_text(encoding="utf-8").splitlines()[0].strip('"')

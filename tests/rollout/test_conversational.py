@@ -24,16 +24,16 @@ from test_multiturn import ScriptedEngine
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.config import ConfigError
 from grpo_lightning.engines.base import SamplingParams
-from grpo_lightning.environments import ToolEnvironment
+from grpo_lightning.integrations.environments import ToolEnvironment
+from grpo_lightning.integrations.environments.multiturn import generate_trajectories
+from grpo_lightning.integrations.sft import IGNORE_INDEX, SFTDataModule, SFTModule
 from grpo_lightning.models.build import load_tokenizer
 from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer
 from grpo_lightning.rewards import RewardSpec, register
 from grpo_lightning.rollout import schedule
 from grpo_lightning.rollout.curriculum import CurriculumConfig
 from grpo_lightning.rollout.data_sources import PromptSource
-from grpo_lightning.rollout.multiturn import generate_trajectories
 from grpo_lightning.rollout.prompts import PromptEncoder, check_prompt_rows
-from grpo_lightning.sft import IGNORE_INDEX, SFTDataModule, SFTModule
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN3 = (ROOT / "tests" / "data" / "chat_templates" / "qwen3.jinja").read_text()

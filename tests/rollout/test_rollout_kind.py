@@ -104,7 +104,7 @@ def test_a_user_rollout_kind_runs_a_round_scored_by_the_one_rule() -> None:
 
 def test_a_user_rollout_kind_is_taken_by_the_data_module_and_from_yaml(tmp_path, monkeypatch) -> None:
     """``data.environment`` takes any ``RolloutKind``: built in code, and named by class path in YAML (before: "must
-    be ... a grpo_lightning.environments.Environment subclass")."""
+    be ... a grpo_lightning.integrations.environments.Environment subclass")."""
     kind = Judged([0.5])
     data = RolloutDataModule(rewards=[], environment=kind)
     assert data.environment is kind and data.rollout_kind is kind and data.collector.environment is kind

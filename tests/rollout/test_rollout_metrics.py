@@ -17,7 +17,7 @@ import torch
 
 from grpo_lightning.config import AdvantageConfig, SamplingConfig
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams
-from grpo_lightning.environments import Environment, Step
+from grpo_lightning.integrations.environments import Environment, Step
 from grpo_lightning.metrics import merge_rank_metrics
 from grpo_lightning.models.tiny import build_char_tokenizer
 from grpo_lightning.rewards import RewardSpec, register

@@ -100,8 +100,8 @@ class FixedEngine(RolloutEngine):
         super().__init__()
         self.texts, self.width = texts, width
 
-    def setup(self, policy, tokenizer) -> None:  # noqa: ANN001
-        super().setup(policy, tokenizer)
+    def setup(self, policy, tokenizer, *modality) -> None:  # noqa: ANN001
+        super().setup(policy, tokenizer, *modality)
         self.tokenizer = tokenizer
 
     def generate(self, prompt_ids, prompt_mask, params, *, generator=None, return_logprobs=False):  # noqa: ANN001

@@ -198,7 +198,7 @@ def test_multi_turn_tool_calls_with_dynamic_sampling_on_the_transformers_engine_
     out of the loss, the refill's metrics, round k trained on the rollout of version k − 1."""
     from pathlib import Path
 
-    from grpo_lightning.environments import ToolEnvironment
+    from grpo_lightning.integrations.environments import ToolEnvironment
 
     model = str(Path(__file__).resolve().parents[2] / "grpo_lightning" / "assets" / "tiny-calc")
     module = GRPOModule(model_name_or_path=model, lr=2e-4)

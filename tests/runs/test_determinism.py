@@ -5,7 +5,7 @@ The rest of the suite runs single-threaded (``conftest.py`` sets ``OMP_NUM_THREA
 in parallel in a varying order (atomic adds) cannot show it. These fits run as a user's do: in their own
 processes, with two intra-op threads. Before the fix, the backward of the lean forward's shared prompt keys and
 values (``x[inverse]``: parallel atomic adds on CPU) made two such runs differ in the last bits from the first
-optimizer step on (see ``grpo_lightning.models.lean._repeat_rows``).
+optimizer step on (see ``grpo_lightning.models.lean_forward._repeat_rows``).
 
 The rounds are the quickstart's own (32 prompts × 8 completions): smaller rounds (8 prompts) were measured not
 to reach the parallel kernels, and a test on them passed on the code before the fix. Two fits run side by side.

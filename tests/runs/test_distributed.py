@@ -59,8 +59,8 @@ class FixedRolloutEngine(RolloutEngine):
 
     name = "fixed"
 
-    def setup(self, policy: torch.nn.Module, tokenizer: Any) -> None:
-        super().setup(policy, tokenizer)
+    def setup(self, policy: torch.nn.Module, tokenizer: Any, *modality: Any) -> None:
+        super().setup(policy, tokenizer, *modality)
         self.vocab_size = len(tokenizer)
 
     def generate(

@@ -27,7 +27,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.cli import TRAINER_DEFAULTS
-from grpo_lightning.environments import Environment, Step
+from grpo_lightning.integrations.environments import Environment, Step
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.rewards import RewardSpec, register
 

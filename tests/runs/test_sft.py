@@ -12,9 +12,7 @@ from conftest import TINY
 
 from grpo_lightning.cli import SFTCLI
 from grpo_lightning.engines import LeanEngine, SamplingParams
-from grpo_lightning.module import GRPOModule
-from grpo_lightning.rollout.prompts import PromptEncoder
-from grpo_lightning.sft import (
+from grpo_lightning.integrations.sft import (
     IGNORE_INDEX,
     SFTDataModule,
     SFTModule,
@@ -23,6 +21,8 @@ from grpo_lightning.sft import (
     pad_batch,
     response_loss,
 )
+from grpo_lightning.module import GRPOModule
+from grpo_lightning.rollout.prompts import PromptEncoder
 
 
 def test_response_loss_counts_response_tokens_only():

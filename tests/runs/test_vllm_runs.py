@@ -30,7 +30,7 @@ WORLD = 2
 
 
 def vllm_engine():
-    from grpo_lightning.engines.vllm import VLLMEngine
+    from grpo_lightning.integrations.vllm.engine import VLLMEngine
 
     return VLLMEngine(max_model_len=128, kv_cache_memory_bytes=32 << 20)
 
@@ -67,7 +67,7 @@ def engine_of_this_run():
     url = os.environ.get("GRPO_TEST_SERVER_URL")
     if not url:
         return vllm_engine()
-    from grpo_lightning.engines.vllm_server import VLLMServerEngine
+    from grpo_lightning.integrations.vllm.server import VLLMServerEngine
 
     return VLLMServerEngine(base_urls=[url], connect_timeout_s=60)
 

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from grpo_lightning.config import ConfigError
+from grpo_lightning.integrations.reasoning_gym.rewards import decode, encode, extract_answer
 from grpo_lightning.rewards import RewardError, RewardSpec, register
-from grpo_lightning.rewards.reasoning_gym import decode, encode, extract_answer
 from grpo_lightning.tasks import load_task
 
 needs_rg = pytest.mark.skipif(
@@ -256,7 +256,7 @@ def test_held_out_rows_never_repeat_a_training_question():
 def test_levels_make_rows_of_each_difficulty_scored_by_their_own_settings():
     import reasoning_gym
 
-    from grpo_lightning.rewards.reasoning_gym import curriculum_context
+    from grpo_lightning.integrations.reasoning_gym.rewards import curriculum_context
 
     data = load_task("reasoning_gym:basic_arithmetic", curriculum=True, size=50, test_size=10, seed=1)
     train = data["train"]
@@ -299,7 +299,7 @@ def test_a_run_with_a_curriculum_gets_rows_of_every_level():
 def test_each_task_of_a_mixture_takes_its_own_levels():
     import reasoning_gym
 
-    from grpo_lightning.rewards.reasoning_gym import curriculum_context
+    from grpo_lightning.integrations.reasoning_gym.rewards import curriculum_context
 
     datasets = [
         {"name": "basic_arithmetic", "weight": 2, "levels": [3, 0]},
@@ -424,8 +424,8 @@ def test_a_run_trains_on_a_reasoning_gym_task_with_its_scorer(tmp_path):
     import reasoning_gym
 
     from grpo_lightning.cli import GRPOCLI
-    from grpo_lightning.rewards.reasoning_gym import curriculum_context
-    from grpo_lightning.tasks.reasoning_gym import LEVEL_SEED_STRIDE
+    from grpo_lightning.integrations.reasoning_gym.rewards import curriculum_context
+    from grpo_lightning.integrations.reasoning_gym.tasks import LEVEL_SEED_STRIDE
 
     config = {
         "trainer": {"accelerator": "cpu", "max_epochs": 2, "logger": False, "enable_checkpointing": False},

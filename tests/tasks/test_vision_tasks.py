@@ -1,5 +1,5 @@
-"""Tasks with images (``grpo_lightning/tasks/vision.py``): the counting demo's drawn images and Geometry3K's rows
-from local files, both in TRL's format (image parts in the prompt, an ``images`` column)."""
+"""Tasks with images (``grpo_lightning/integrations/vision/tasks.py``): the counting demo's drawn images and
+Geometry3K's rows from local files, both in TRL's format (image parts in the prompt, an ``images`` column)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 from PIL import Image
 
 from grpo_lightning.config import ConfigError
+from grpo_lightning.integrations.vision.images import check_image_rows
+from grpo_lightning.integrations.vision.tasks import image_prompt, shrink
 from grpo_lightning.rewards.inputs import prompt_text
 from grpo_lightning.tasks import is_task, load_task
-from grpo_lightning.tasks.vision import image_prompt, shrink
-from grpo_lightning.vision.images import check_image_rows
 
 
 def pixels(row) -> bytes:

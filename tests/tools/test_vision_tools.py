@@ -81,7 +81,7 @@ def test_make_vision_model_cold_starts_a_model_that_the_config_loads(tmp_path, m
     import make_vision_model
     import yaml
 
-    from grpo_lightning.vision.models import is_vision_model, load_vision_tokenizer
+    from grpo_lightning.integrations.vision.models import is_vision_model, load_vision_tokenizer
 
     config = yaml.safe_load((ROOT / "configs" / "vision.yaml").read_text())
     config["data"]["task_kwargs"].update(train_size=64, test_size=8)

@@ -13,8 +13,8 @@ from datasets import Dataset, Image
 from vision_models import encoder_for, image_prompt, shared_vlms, squares
 
 from grpo_lightning.config import ConfigError
+from grpo_lightning.integrations.vision.images import check_image_rows, images_of_rows, load_image
 from grpo_lightning.rollout.prompts import check_prompt_rows
-from grpo_lightning.vision.images import check_image_rows, images_of_rows, load_image
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,14 @@ from vision_models import encoder_for, image_prompt, shared_vlms, squares
 from grpo_lightning.engines.base import SamplingParams
 from grpo_lightning.engines.hf import TransformersEngine
 from grpo_lightning.engines.token_sampling import filter_logits
+from grpo_lightning.integrations.vision.inputs import (
+    forward_inputs,
+    generation_inputs,
+    placeholder_token_ids,
+    repeat_rows,
+)
+from grpo_lightning.integrations.vision.modality import IMAGES
 from grpo_lightning.models.logprobs import completion_logprobs
-from grpo_lightning.vision.inputs import forward_inputs, generation_inputs, placeholder_token_ids, repeat_rows
-from grpo_lightning.vision.modality import IMAGES
 
 FAMILIES = ["qwen2_vl", "llava", "idefics3"]
 ROWS = {  # different lengths (left padding), one and two images, a text-only row

@@ -13,19 +13,19 @@ import torch
 from transformers import AutoModelForImageTextToText
 from vision_models import encoder_for, image_prompt, shared_vlms, squares
 
-import grpo_lightning.vision.inputs as vision_inputs
+import grpo_lightning.integrations.vision.inputs as vision_inputs
 from grpo_lightning.config import ConfigError
 from grpo_lightning.engines.base import SamplingParams
 from grpo_lightning.engines.hf import TransformersEngine
-from grpo_lightning.engines.vllm import VLLMEngine
-from grpo_lightning.engines.vllm_server import VLLMServerEngine
-from grpo_lightning.environments import ToolEnvironment
+from grpo_lightning.integrations.environments import ToolEnvironment
+from grpo_lightning.integrations.vision.inputs import forward_inputs, generation_inputs, join_rows, repeat_rows
+from grpo_lightning.integrations.vision.modality import IMAGES
+from grpo_lightning.integrations.vision.tiny import VLM_FAMILIES
+from grpo_lightning.integrations.vllm.engine import VLLMEngine
+from grpo_lightning.integrations.vllm.server import VLLMServerEngine
 from grpo_lightning.modality import modality_for
 from grpo_lightning.models.build import load_tokenizer
 from grpo_lightning.models.logprobs import completion_logprobs
-from grpo_lightning.vision.inputs import forward_inputs, generation_inputs, join_rows, repeat_rows
-from grpo_lightning.vision.modality import IMAGES
-from grpo_lightning.vision.tiny import VLM_FAMILIES
 
 # What ``generate()`` gives a token it appends, in each per-token input (the generic rule repeats the prompt's last
 # value, 0 here; PaliGemma's own appends 1: the causal suffix).

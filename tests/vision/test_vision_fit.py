@@ -13,13 +13,13 @@ from conftest import quiet_trainer
 from vision_models import COLOURS, image_prompt, squares
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
-from grpo_lightning.agents import AgentEnvironment
 from grpo_lightning.config import ConfigError
+from grpo_lightning.integrations.agents import AgentEnvironment
+from grpo_lightning.integrations.vision.inputs import packing_off
+from grpo_lightning.integrations.vision.models import vision_tower_pattern, vision_towers
+from grpo_lightning.integrations.vision.tiny import build_tiny_vlm
 from grpo_lightning.lora import LoraConfig
 from grpo_lightning.rewards import RewardSpec, register
-from grpo_lightning.vision.inputs import packing_off
-from grpo_lightning.vision.models import vision_tower_pattern, vision_towers
-from grpo_lightning.vision.tiny import build_tiny_vlm
 
 
 @register("test_vision_count")

@@ -50,9 +50,9 @@ def worker(out: Path, model_dir: str, data_file: str) -> None:
 
     from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
     from grpo_lightning.cli import TRAINER_DEFAULTS
+    from grpo_lightning.integrations.vision.models import vision_towers
     from grpo_lightning.rewards import RewardSpec
     from grpo_lightning.strategies import FSDP2Strategy
-    from grpo_lightning.vision.models import vision_towers
 
     module = GRPOModule(model_name_or_path=model_dir, objective=ObjectiveConfig(beta=0.04), lr=1e-2)
     data = RolloutDataModule(
@@ -108,7 +108,7 @@ def worker(out: Path, model_dir: str, data_file: str) -> None:
 def fsdp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from test_vision_fit import count_file
 
-    from grpo_lightning.vision.tiny import build_tiny_vlm
+    from grpo_lightning.integrations.vision.tiny import build_tiny_vlm
 
     folder = tmp_path_factory.mktemp("fsdp-vlm")
     model_dir, data_file = build_tiny_vlm("qwen2_vl", folder / "qwen2_vl"), count_file(folder, rows=8)
@@ -123,9 +123,9 @@ def test_the_vision_blocks_stay_in_the_root_unit(tmp_path, tiny_llama):
     vision encoder before the root's forward, which FSDP2 needs first); a text model's layers all."""
     from transformers import AutoModelForImageTextToText
 
+    from grpo_lightning.integrations.vision.modality import IMAGES
+    from grpo_lightning.integrations.vision.tiny import build_tiny_vlm
     from grpo_lightning.strategies import decoder_layers
-    from grpo_lightning.vision.modality import IMAGES
-    from grpo_lightning.vision.tiny import build_tiny_vlm
 
     model = AutoModelForImageTextToText.from_pretrained(str(build_tiny_vlm("qwen2_vl", tmp_path / "qwen2_vl")))
     assert "Qwen2VLVisionBlock" in model._no_split_modules

@@ -10,9 +10,9 @@ from vision_models import encoder_for, image_prompt, shared_vlms, squares
 
 from grpo_lightning.engines.base import SamplingParams
 from grpo_lightning.engines.hf import TransformersEngine
+from grpo_lightning.integrations.vision.inputs import placeholder_token_ids, repeat_rows
+from grpo_lightning.integrations.vision.modality import IMAGES
 from grpo_lightning.models.logprobs import completion_logprobs
-from grpo_lightning.vision.inputs import placeholder_token_ids, repeat_rows
-from grpo_lightning.vision.modality import IMAGES
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,11 @@ from test_vision_fit import vision_run
 from transformers import AutoModelForImageTextToText
 from vision_models import encoder_for, image_prompt, squares
 
+from grpo_lightning.integrations.vision.inputs import forward_inputs, placeholder_token_ids
+from grpo_lightning.integrations.vision.modality import IMAGES
+from grpo_lightning.integrations.vision.models import model_from_config
+from grpo_lightning.integrations.vision.tiny import build_tiny_vlm
 from grpo_lightning.models.logprobs import completion_logprobs
-from grpo_lightning.vision.inputs import forward_inputs, placeholder_token_ids
-from grpo_lightning.vision.modality import IMAGES
-from grpo_lightning.vision.models import model_from_config
-from grpo_lightning.vision.tiny import build_tiny_vlm
 
 
 class Snapshots(Callback):

@@ -12,8 +12,8 @@ import torch
 from PIL import Image
 
 from grpo_lightning.cli import main
-from grpo_lightning.vision.saved import images_from_plain, plain_images, plain_vision, vision_from_plain
-from grpo_lightning.vision.vllm_inputs import SourcedRow
+from grpo_lightning.integrations.vision.saved import images_from_plain, plain_images, plain_vision, vision_from_plain
+from grpo_lightning.integrations.vision.vllm_inputs import SourcedRow
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = [  # the demo's config, rounds made small: 2 prompts x G = 4, two optimizer steps a round, no evaluation

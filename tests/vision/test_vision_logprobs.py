@@ -8,9 +8,9 @@ import torch
 from transformers import AutoModelForImageTextToText
 from vision_models import encoder_for, image_prompt, shared_vlms, squares
 
+from grpo_lightning.integrations.vision.inputs import forward_inputs
+from grpo_lightning.integrations.vision.modality import IMAGES
 from grpo_lightning.models.logprobs import completion_logprobs
-from grpo_lightning.vision.inputs import forward_inputs
-from grpo_lightning.vision.modality import IMAGES
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_qwen2_vl_positions_once_per_prompt_equal_the_models_over_the_whole_batc
     """``forward_inputs`` computes the 3-D positions once per prompt head and counts the rest on: equal, exactly, to
     the model's own ``get_rope_index`` over the whole batch of prompts + completions, G rows a prompt (rows that
     share their head, rows that do not), a text-only row, a two-image row, other paddings."""
-    from grpo_lightning.vision.inputs import modality_types, repeat_rows
+    from grpo_lightning.integrations.vision.inputs import modality_types, repeat_rows
 
     model, (prompt_ids, prompt_mask, _, _), vision = _rollout(tiny_vlms["qwen2_vl"])
     group = 3

@@ -10,15 +10,15 @@ import pytest
 from transformers import AutoModelForImageTextToText, AutoProcessor
 from vision_models import image_prompt, shared_vlms, squares
 
+from grpo_lightning.integrations.vision.encoder import VisionPromptEncoder
+from grpo_lightning.integrations.vision.models import is_vision_model, vision_tower_pattern, vision_towers
+from grpo_lightning.integrations.vision.processors import load_processor
 from grpo_lightning.lora import LoraConfig
 from grpo_lightning.modality import TEXT, modality_for
 from grpo_lightning.models.build import load_model, load_tokenizer
 from grpo_lightning.models.policy_and_reference import build_policy
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.rollout.prompts import prompt_encoder
-from grpo_lightning.vision.encoder import VisionPromptEncoder
-from grpo_lightning.vision.models import is_vision_model, vision_tower_pattern, vision_towers
-from grpo_lightning.vision.processors import load_processor
 
 
 @pytest.fixture(scope="module")

@@ -16,14 +16,14 @@ from vision_models import encoder_for, image_prompt, shared_vlms, squares
 from grpo_lightning import SamplingConfig
 from grpo_lightning.engines.base import SamplingParams
 from grpo_lightning.engines.hf import TransformersEngine
-from grpo_lightning.environments import ToolEnvironment
-from grpo_lightning.environments.base import Step
+from grpo_lightning.integrations.environments import ToolEnvironment
+from grpo_lightning.integrations.environments.base import Step
+from grpo_lightning.integrations.environments.multiturn import generate_trajectories
+from grpo_lightning.integrations.vision.modality import IMAGES
+from grpo_lightning.integrations.vision.models import vision_towers
+from grpo_lightning.integrations.vision.vllm_inputs import engine_prompts, image_token_id
 from grpo_lightning.models.logprobs import completion_logprobs
-from grpo_lightning.rollout.multiturn import generate_trajectories
 from grpo_lightning.rollout.sample_and_score import repeat_each
-from grpo_lightning.vision.modality import IMAGES
-from grpo_lightning.vision.models import vision_towers
-from grpo_lightning.vision.vllm_inputs import engine_prompts, image_token_id
 
 HINT = " Use the calculator."
 ROWS = {

@@ -21,9 +21,9 @@ from grpo_lightning.callbacks.checkpointing import RoundCheckpoint
 from grpo_lightning.callbacks.completions import CompletionsTable
 from grpo_lightning.callbacks.export import SaveHFModel
 from grpo_lightning.config import ConfigError
+from grpo_lightning.integrations.vision.processors import load_processor
+from grpo_lightning.integrations.vision.tiny import build_tiny_vlm
 from grpo_lightning.rollout.prompts import PromptEncoder, check_prompt_rows
-from grpo_lightning.vision.processors import load_processor
-from grpo_lightning.vision.tiny import build_tiny_vlm
 
 ROWS = {
     "prompt": [image_prompt("count", 1), [{"role": "user", "content": "text only"}], image_prompt("which?", 2)],

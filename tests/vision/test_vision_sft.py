@@ -12,8 +12,8 @@ from conftest import quiet_trainer
 from vision_models import COLOURS, encoder_for, image_prompt, squares
 
 from grpo_lightning.config import ConfigError
-from grpo_lightning.sft import SFTDataModule, SFTModule
-from grpo_lightning.vision.tiny import build_tiny_vlm
+from grpo_lightning.integrations.sft import SFTDataModule, SFTModule
+from grpo_lightning.integrations.vision.tiny import build_tiny_vlm
 
 
 def pairs_file(folder, rows: int = 6) -> str:
@@ -33,7 +33,7 @@ def own_loss(model, encoder, row: dict, response: str) -> tuple[torch.Tensor, in
     """transformers' own loss of one example: the model's processor on the prompt and its images (PaliGemma's on
     the response too, as its ``suffix``: its token types and labels are its own), the response's tokens and EOS
     labelled; and how many tokens it averages over."""
-    from grpo_lightning.vision.images import row_images
+    from grpo_lightning.integrations.vision.images import row_images
 
     text = encoder.texts([row["prompt"]])[0]
     images = [row_images(row["images"], "images")]

@@ -14,10 +14,10 @@ from vision_models import encoder_for
 
 from grpo_lightning import GRPOModule
 from grpo_lightning.config import ConfigError
-from grpo_lightning.models.teacher import TeacherConfig
+from grpo_lightning.integrations.distillation.teacher import TeacherConfig
+from grpo_lightning.integrations.vision.tiny import build_tiny_vlm, build_vlm_tokenizer
 from grpo_lightning.models.tiny import TinyModelConfig, build_tiny_llama
 from grpo_lightning.rollout.batch import RolloutBatch
-from grpo_lightning.vision.tiny import build_tiny_vlm, build_vlm_tokenizer
 
 
 def _batch(folder, family: str) -> tuple[RolloutBatch, dict]:

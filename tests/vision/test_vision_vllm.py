@@ -28,12 +28,12 @@ from vision_models import encoder_for, image_prompt, shared_vlms, squares  # noq
 from vllm_servers import BLOCK_SIZE  # noqa: E402
 
 from grpo_lightning.engines import SamplingParams  # noqa: E402
-from grpo_lightning.engines.vllm import VLLMEngine  # noqa: E402
+from grpo_lightning.integrations.environments.multiturn import generate_trajectories  # noqa: E402
+from grpo_lightning.integrations.vision.inputs import forward_inputs, placeholder_token_ids, repeat_rows  # noqa: E402
+from grpo_lightning.integrations.vision.modality import IMAGES
+from grpo_lightning.integrations.vision.vllm_inputs import SourcedRow  # noqa: E402
+from grpo_lightning.integrations.vllm.engine import VLLMEngine  # noqa: E402
 from grpo_lightning.models.logprobs import completion_logprobs  # noqa: E402
-from grpo_lightning.rollout.multiturn import generate_trajectories  # noqa: E402
-from grpo_lightning.vision.inputs import forward_inputs, placeholder_token_ids, repeat_rows  # noqa: E402
-from grpo_lightning.vision.modality import IMAGES
-from grpo_lightning.vision.vllm_inputs import SourcedRow  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -278,7 +278,7 @@ def vlm_server(request, tmp_path_factory):
 
 
 def test_the_server_engine_sends_ids_with_images_and_takes_weight_pushes(vlm_server, monkeypatch):
-    from grpo_lightning.engines.vllm_server import VLLMServerEngine
+    from grpo_lightning.integrations.vllm.server import VLLMServerEngine
 
     family, path, server = vlm_server
     policy = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval()

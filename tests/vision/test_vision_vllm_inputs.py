@@ -15,8 +15,8 @@ import torch
 from PIL import Image
 from vision_models import encoder_for, image_prompt, shared_vlms, squares
 
-from grpo_lightning.vision.inputs import join_rows, repeat_rows
-from grpo_lightning.vision.vllm_inputs import (
+from grpo_lightning.integrations.vision.inputs import join_rows, repeat_rows
+from grpo_lightning.integrations.vision.vllm_inputs import (
     PLACEHOLDER_BIAS,
     SourcedRow,
     content_parts,
@@ -159,7 +159,7 @@ def _stand_in(status: int, body: bytes):
 def test_a_server_without_the_route_for_ids_with_images_is_refused_in_one_line(status):
     from grpo_lightning.config import ConfigError
     from grpo_lightning.engines.http import ServerClient
-    from grpo_lightning.engines.vllm_server import check_generate_route
+    from grpo_lightning.integrations.vllm.server import check_generate_route
 
     stand_in = _stand_in(status, b'{"error": {"message": "Scale-out endpoints are disabled."}}')
     try:
@@ -179,8 +179,8 @@ def test_a_server_without_the_route_for_ids_with_images_is_refused_in_one_line(s
 def test_an_engine_that_cannot_feed_images_names_those_that_can(tiny_vlms):
     from grpo_lightning.config import ConfigError
     from grpo_lightning.engines.lean import LeanEngine
-    from grpo_lightning.engines.vllm import VLLMEngine
-    from grpo_lightning.engines.vllm_server import VLLMServerEngine
+    from grpo_lightning.integrations.vllm.engine import VLLMEngine
+    from grpo_lightning.integrations.vllm.server import VLLMServerEngine
     from grpo_lightning.modality import modality_for
 
     modality = modality_for(str(tiny_vlms["qwen2_vl"]))

@@ -1,4 +1,4 @@
-"""The names a vision-language model's weights go to vLLM under (``vision/vllm_weights.py``), without vLLM:
+"""The names a vision-language model's weights go to vLLM under (``integrations/vision/vllm_weights.py``), without vLLM:
 transformers 5's flat LLaVA tower names nested under ``vision_model`` as vLLM 0.32's loader wants, in the folder
 vLLM starts from and in every push; other names and other families as they are; a tower name with no vLLM name
 refused; ``tools/export_hf.py --for-vllm`` (the folder a user serves): a model folder copied, a checkpoint's
@@ -16,7 +16,7 @@ from transformers import AutoModelForImageTextToText, LlavaConfig
 from vision_models import encoder_for, shared_vlms
 
 from grpo_lightning import GRPOModule
-from grpo_lightning.vision.vllm_weights import vllm_load_problem, vllm_model_folder, vllm_name
+from grpo_lightning.integrations.vision.vllm_weights import vllm_load_problem, vllm_model_folder, vllm_name
 
 
 @pytest.fixture(scope="module")

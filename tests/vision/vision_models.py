@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageDraw
 
-from grpo_lightning.vision.encoder import VisionPromptEncoder
-from grpo_lightning.vision.modality import ImageModality
-from grpo_lightning.vision.processors import load_processor
-from grpo_lightning.vision.tiny import VLM_FAMILIES, build_tiny_vlm
+from grpo_lightning.integrations.vision.encoder import VisionPromptEncoder
+from grpo_lightning.integrations.vision.modality import ImageModality
+from grpo_lightning.integrations.vision.processors import load_processor
+from grpo_lightning.integrations.vision.tiny import VLM_FAMILIES, build_tiny_vlm
 
 COLOURS = ("red", "green", "blue", "yellow")
 
