@@ -1,7 +1,7 @@
 """grpo_lightning: GRPO training of language models, native to PyTorch Lightning.
 
 The names below are imported when first used: a process that needs only a part of the package (the background
-rollout process of ``data.rollout_lag``) does not pay for Lightning's import.
+rollout process of ``data.schedule.rollout_lag``) does not pay for Lightning's import.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ _EXPORTS = {
     "EvalConfig": "grpo_lightning.config",
     "ObjectiveConfig": "grpo_lightning.config",
     "SamplingConfig": "grpo_lightning.config",
+    "ScheduleConfig": "grpo_lightning.config",
+    "UpdateConfig": "grpo_lightning.config",
     "GRPOModule": "grpo_lightning.module",
     "LossInputs": "grpo_lightning.losses",
     "register_policy_loss": "grpo_lightning.losses",

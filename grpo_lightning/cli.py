@@ -28,7 +28,15 @@ from grpo_lightning.callbacks.progress import default_progress_bar
 from grpo_lightning.callbacks.round_log import RoundLog, is_terminal
 from grpo_lightning.callbacks.wandb_logger import LoggerSaveConfigCallback
 from grpo_lightning.checkpoint_io import AtomicCheckpointIO
-from grpo_lightning.config import AdvantageConfig, ConfigError, EvalConfig, ObjectiveConfig, SamplingConfig
+from grpo_lightning.config import (
+    AdvantageConfig,
+    ConfigError,
+    EvalConfig,
+    ObjectiveConfig,
+    SamplingConfig,
+    ScheduleConfig,
+    UpdateConfig,
+)
 from grpo_lightning.config_checks import (
     check_checkpoint_hparams,
     check_setting_ranges,
@@ -77,6 +85,8 @@ _KEY_SOURCES: dict[str, Any] = {
     "model.teacher": TeacherConfig,
     "data.sampling": SamplingConfig,
     "data.advantage": AdvantageConfig,
+    "data.update": UpdateConfig,
+    "data.schedule": ScheduleConfig,
     "data.eval": EvalConfig,
     "data.curriculum": CurriculumConfig,
     "data.rewards": RewardSpec,
@@ -88,7 +98,7 @@ class GRPOCLI(LightningCLI):
 
     Every run gets a line per round in its log (``RoundLog``), round-boundary checkpoints and the
     ``AtomicCheckpointIO`` plugin, unless its config has its own; ``trainer.accumulate_grad_batches`` follows from
-    ``data.mini_batch_size / data.micro_batch_size`` when the config leaves it unset.
+    ``data.update.mini_batch_size / data.update.micro_batch_size`` when the config leaves it unset.
     """
 
     epochs_are_rounds: bool = True

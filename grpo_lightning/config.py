@@ -35,6 +35,12 @@ class SamplingConfig:
     """0 disables top-k filtering."""
     generation_batch_size: int = 256
     """Completions decoded at once; bounds generation memory independently of the optimisation batch."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose (outcome) rewards are all equal and draw more prompts until the
+    rollout is full of informative groups (how a round samples; an engine's parameters ignore it)."""
+    max_sampling_rounds: int = 4
+    """Cap on generations per round with dynamic sampling (then the rollout is topped up with uninformative
+    groups, so its size never changes)."""
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
@@ -57,6 +63,66 @@ class SamplingConfig:
             raise ConfigError(f"data.sampling.top_k must be >= 0 (got {self.top_k}); 0 disables it")
         if self.generation_batch_size < 1:
             raise ConfigError(f"data.sampling.generation_batch_size must be >= 1 (got {self.generation_batch_size})")
+
+
+@dataclass
+class UpdateConfig:
+    """The update half of a round (``data.update``): μ passes over the rollout in mini-batches (optimizer steps) of
+    micro-batches (forwards), how they are laid out, and where π_old's log-probs come from (``update_plan.py``)."""
+
+    num_iterations: int = 1
+    """μ, optimisation passes over each rollout (DeepSeekMath Alg. 1)."""
+    mini_batch_size: int | None = None
+    """Completions per optimizer step (default: the whole rollout, one step per pass)."""
+    micro_batch_size: int | None = None
+    """Completions per forward/backward; ``mini / micro`` micro-batches make an optimizer step:
+    ``trainer.accumulate_grad_batches`` must equal it (the CLI derives it when left unset)."""
+    balance_micro_batches: bool = True
+    """The micro-batches of a step hold equal shares of its completion tokens (rows assigned longest first), not
+    equal row counts: peak memory stays flat when lengths vary. Their number stays ``mini / micro`` (the trainer's
+    gradient accumulation); the step is the same either way."""
+    pack_tokens: int | Literal["auto"] | None = "auto"
+    """Padding-free log-prob passes (``models/packing.py``): each micro-batch's sequences laid end to end in bins of
+    this many tokens; ``auto``: bins as long as its longest sequence, when they spare a quarter of the padded tokens
+    or more; null: padded rows."""
+    old_logprobs: Literal["auto", "sampler", "recompute"] = "auto"
+    """Where π_old's log-probs come from when a round has several optimizer steps: ``sampler`` (the engine's, no
+    extra pass), ``recompute`` (a forward pass over the rollout), ``auto`` (the engine's where they equal the
+    trainer's: the policy's own weights in float32; an engine that gives only its filtered sampling distribution's
+    log-probs, under top-k, top-p or a minimum length, is recomputed)."""
+    mask_truncated_completions: bool = False
+    """Leave completions cut by ``max_new_tokens`` out of the loss (DAPO)."""
+
+    def __post_init__(self) -> None:
+        # The numeric ranges are ``config_checks.SETTING_RANGES``' (the CLI checks them before anything is built).
+        pack = self.pack_tokens
+        if pack != "auto" and pack is not None and (type(pack) is not int or pack < 1):
+            raise ConfigError(f"data.update.pack_tokens must be a number of tokens >= 1, auto or null (got {pack!r})")
+
+
+@dataclass
+class ScheduleConfig:
+    """When a round is sampled (``data.schedule``): at a lag, by a background process (``rollout/schedule.py``)."""
+
+    rollout_lag: int = 0
+    """L, asynchronous rollouts: round k trains on a rollout sampled by the policy as it was L rounds earlier,
+    while a background process samples the next rounds; 0 = sample, then update, in this process."""
+    off_policy_correction: Literal["decoupled", "behaviour", "none"] = "decoupled"
+    """At a lag, the loss's ratio for the stale sampler μ: ``decoupled`` (to the policy at the update's start, times
+    π_prox / μ truncated or masked as ``model.objective.tis_*`` say), ``behaviour`` (to μ directly) or ``none`` (to
+    the update's start, no weight)."""
+    rollout_threads: int | None = None
+    """CPU threads of the background process (default half of this process's; the update keeps the rest)."""
+    rollout_timeout_s: float = 1800.0
+    """The longest wait for the background process (its start, or one round)."""
+
+    def __post_init__(self) -> None:
+        # The numeric ranges are ``config_checks.SETTING_RANGES``' (the CLI checks them before anything is built).
+        if self.off_policy_correction not in ("decoupled", "behaviour", "none"):
+            raise ConfigError(
+                "data.schedule.off_policy_correction must be decoupled, behaviour or none "
+                f"(got {self.off_policy_correction!r})"
+            )
 
 
 @dataclass
@@ -123,7 +189,8 @@ class ObjectiveConfig:
     """``token``: a weight per token; ``sequence``: min(∏_t π_old / π_engine, C) for every token of a completion."""
     tis_mode: Literal["truncate", "mask"] = "truncate"
     """``truncate``: min(w, C); ``mask``: w where 1/C <= w <= C, else the token (or completion) leaves the
-    surrogate. The same weight is the decoupled correction of ``data.rollout_lag`` (π_old = the proximal policy)."""
+    surrogate. The same weight is the decoupled correction of ``data.schedule.rollout_lag`` (π_old = the proximal
+    policy)."""
 
     def __post_init__(self) -> None:
         if self.tis_cap is not None and self.tis_cap <= 0:
@@ -274,6 +341,10 @@ class EvalConfig:
     """Import path of ``fn(completion) -> answer | None`` that maj@k votes on (``None`` abstains), e.g.
     ``grpo_lightning.rewards.math.extract_answer``; default: the stripped completion. Ties go to the answer
     sampled first."""
+    batch_size: int = 128
+    """Prompts per evaluation batch."""
+    limit: int | None = None
+    """Evaluate on the first ``limit`` held-out prompts only."""
 
     def __post_init__(self) -> None:
         if self.num_samples < 0:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from grpo_lightning.config import ConfigError
+from grpo_lightning.config import ConfigError, SamplingConfig, ScheduleConfig, UpdateConfig
 from grpo_lightning.update_plan import UpdatePlan, plan_update
 
 if TYPE_CHECKING:
@@ -47,16 +47,19 @@ SETTING_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model.warmup_steps": (_at_least(0), ">= 0"),
     "model.logprob_batch_size": (_at_least(1), ">= 1"),
     "data.reward_timeout_s": (_above(0, null=True), "> 0, or null for no limit"),
-    "data.num_iterations": (_at_least(1), ">= 1"),
     "data.prompts_per_round": (_at_least(1), ">= 1"),
-    "data.max_sampling_rounds": (_at_least(1), ">= 1"),
-    "data.mini_batch_size": (_at_least(1, null=True), ">= 1, or null for the whole rollout"),
-    "data.micro_batch_size": (_at_least(1, null=True), ">= 1, or null for the whole mini-batch"),
-    "data.val_batch_size": (_at_least(1), ">= 1"),
-    "data.val_limit": (_at_least(0, null=True), ">= 0, or null for all held-out prompts"),
-    "data.rollout_lag": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
-    "data.rollout_threads": (_at_least(1, null=True), ">= 1, or null for half of this process's threads"),
-    "data.rollout_timeout_s": (_above(0), "> 0"),
+    "data.sampling.max_sampling_rounds": (_at_least(1), ">= 1"),
+    "data.update.num_iterations": (_at_least(1), ">= 1"),
+    "data.update.mini_batch_size": (_at_least(1, null=True), ">= 1, or null for the whole rollout"),
+    "data.update.micro_batch_size": (_at_least(1, null=True), ">= 1, or null for the whole mini-batch"),
+    "data.eval.batch_size": (_at_least(1), ">= 1"),
+    "data.eval.limit": (_at_least(0, null=True), ">= 0, or null for all held-out prompts"),
+    "data.schedule.rollout_lag": (
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+        "an integer >= 0",
+    ),
+    "data.schedule.rollout_threads": (_at_least(1, null=True), ">= 1, or null for half of this process's threads"),
+    "data.schedule.rollout_timeout_s": (_above(0), "> 0"),
     "trainer.accumulate_grad_batches": (_at_least(1), ">= 1"),
     "trainer.gradient_clip_val": (_at_least(0, null=True), ">= 0, or null for no clipping"),
     "trainer.check_val_every_n_epoch": (_at_least(1, null=True), ">= 1, or null"),
@@ -71,16 +74,27 @@ SETTING_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
 def check_ranges(section: str, settings: Mapping[str, Any] | Any) -> None:
     """Refuse the settings of ``section`` (``model``, ``data``, ``trainer``) outside ``SETTING_RANGES``.
 
-    ``settings``: the section's values (a mapping, a parsed-config namespace, or a class's ``hparams``); settings
-    it does not hold are not checked. The message names the setting, in one line.
+    ``settings``: the section's values (a mapping, a parsed-config namespace, or a class's ``hparams``), a group's
+    settings inside it (``data.update.mini_batch_size``) as a mapping or a settings object; settings it does not
+    hold are not checked. The message names the setting, in one line.
     """
     settings = _plain(settings)
-    if not isinstance(settings, Mapping):
-        return
     for name, (accepts, must_be) in SETTING_RANGES.items():
         group, _, key = name.partition(".")
-        if group == section and key in settings and not accepts(settings[key]):
-            raise ConfigError(f"{name} must be {must_be} (got {settings[key]!r})")
+        if group != section:
+            continue
+        found, value = _setting_at(settings, key.split("."))
+        if found and not accepts(value):
+            raise ConfigError(f"{name} must be {must_be} (got {value!r})")
+
+
+def _setting_at(settings: Any, path: list[str]) -> tuple[bool, Any]:
+    """The value at ``path`` inside plain ``settings`` (a group left unset, None, holds nothing to check)."""
+    for key in path:
+        if not isinstance(settings, Mapping) or key not in settings:
+            return False, None
+        settings = settings[key]
+    return True, settings
 
 
 def check_batch_sizes(plan: UpdatePlan, accumulate: int) -> int:
@@ -93,8 +107,8 @@ def check_batch_sizes(plan: UpdatePlan, accumulate: int) -> int:
     wanted = plan.micro_batches_per_step
     if accumulate not in (1, wanted):
         raise ConfigError(
-            f"trainer.accumulate_grad_batches = {accumulate} contradicts data.mini_batch_size / "
-            f"data.micro_batch_size = {wanted}: leave it unset (it is derived) or make them agree"
+            f"trainer.accumulate_grad_batches = {accumulate} contradicts data.update.mini_batch_size / "
+            f"data.update.micro_batch_size = {wanted}: leave it unset (it is derived) or make them agree"
         )
     return wanted
 
@@ -109,9 +123,9 @@ def check_accumulation(accumulate: int, plan: UpdatePlan) -> None:
     wanted = check_batch_sizes(plan, accumulate)
     if accumulate != wanted:
         raise ConfigError(
-            f"trainer.accumulate_grad_batches = {accumulate}, but data.mini_batch_size / data.micro_batch_size = "
-            f"{wanted} micro-batches make an optimizer step: set Trainer(accumulate_grad_batches={wanted}) (the CLI "
-            "derives it when unset)"
+            f"trainer.accumulate_grad_batches = {accumulate}, but data.update.mini_batch_size / "
+            f"data.update.micro_batch_size = {wanted} micro-batches make an optimizer step: set "
+            f"Trainer(accumulate_grad_batches={wanted}) (the CLI derives it when unset)"
         )
 
 
@@ -121,52 +135,46 @@ def derive_accumulation(config: Any) -> None:
     data, trainer = config.get("data"), config.get("trainer")
     if data is None or trainer is None:
         return
-    sampling = data.get("sampling")
+    sampling, update = data.get("sampling"), data.get("update")
     group_size = sampling.get("group_size") if sampling is not None else None
     if not isinstance(group_size, int):
-        from grpo_lightning.config import SamplingConfig
-
         group_size = SamplingConfig().group_size
-    plan = plan_update(
-        prompts_per_round=data.get("prompts_per_round"),
-        group_size=group_size,
-        num_iterations=data.get("num_iterations") or 1,
-        mini_batch_size=data.get("mini_batch_size"),
-        micro_batch_size=data.get("micro_batch_size"),
-    )
+    sizes = UpdateConfig()  # ``data.update`` left unset: its defaults
+    if update is not None:
+        sizes = UpdateConfig(
+            num_iterations=update.get("num_iterations") or 1,
+            mini_batch_size=update.get("mini_batch_size"),
+            micro_batch_size=update.get("micro_batch_size"),
+        )
+    plan = plan_update(sizes, prompts_per_round=data.get("prompts_per_round"), group_size=group_size)
     accumulate = trainer.get("accumulate_grad_batches") or 1
     wanted = check_batch_sizes(plan, accumulate)
     if accumulate != wanted:
-        log.info("trainer.accumulate_grad_batches = %d (data.mini_batch_size / data.micro_batch_size)", wanted)
+        log.info(
+            "trainer.accumulate_grad_batches = %d (data.update.mini_batch_size / data.update.micro_batch_size)", wanted
+        )
         trainer["accumulate_grad_batches"] = wanted
 
 
-def check_round_settings(
-    *,
-    engine: Any,
-    old_logprobs: str,
-    rollout_lag: int,
-    correction: str,
-    curriculum: bool,
-) -> None:
+def check_round_settings(*, engine: Any, update: UpdateConfig, schedule: ScheduleConfig, curriculum: bool) -> None:
     """What a round cannot do, refused in one line before training: π_old from log-probs that are not the
     policy's, and the combinations a rollout lag cannot take."""
-    if correction not in ("decoupled", "behaviour", "none"):
-        raise ConfigError(f"data.off_policy_correction must be decoupled, behaviour or none (got {correction!r})")
+    old_logprobs, rollout_lag = update.old_logprobs, schedule.rollout_lag
     if old_logprobs == "sampler" and rollout_lag > 0:
         raise ConfigError(
-            "data.old_logprobs: sampler takes π_old from the engine, which at data.rollout_lag > 0 sampled an older "
-            "policy; set data.off_policy_correction: behaviour for a ratio to the sampler, or old_logprobs: auto"
+            "data.update.old_logprobs: sampler takes π_old from the engine, which at data.schedule.rollout_lag > 0 "
+            "sampled an older policy; set data.schedule.off_policy_correction: behaviour for a ratio to the sampler, "
+            "or old_logprobs: auto"
         )
     if curriculum and rollout_lag > 0:
         raise ConfigError(
             "data.curriculum picks each round's prompts from the latest pass rates, which a background process "
-            "sampling rounds ahead (data.rollout_lag > 0) does not have yet; use one or the other"
+            "sampling rounds ahead (data.schedule.rollout_lag > 0) does not have yet; use one or the other"
         )
     if old_logprobs == "sampler" and not engine.shares_weights:
         raise ConfigError(
-            f"data.old_logprobs: sampler takes π_old from the {engine.name} engine, whose log-probs are not the "
-            "trainer's; use auto or recompute (the ratio needs the trainer's π_old)"
+            f"data.update.old_logprobs: sampler takes π_old from the {engine.name} engine, whose log-probs are not "
+            "the trainer's; use auto or recompute (the ratio needs the trainer's π_old)"
         )
 
 
@@ -182,7 +190,7 @@ def check_weights_can_leave(strategy: Any, engine: Any, rollout_lag: int) -> Non
     if not engine.shares_weights:
         who = f"data.engine {engine.name} holds its own copy of the weights"
     elif rollout_lag > 0:
-        who = "data.rollout_lag > 0 sends the weights to a background process"
+        who = "data.schedule.rollout_lag > 0 sends the weights to a background process"
     else:
         return
     raise ConfigError(

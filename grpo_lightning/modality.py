@@ -65,8 +65,8 @@ class Modality:
         return AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
 
     def model_from_config(self, config: Any, dtype: Any) -> nn.Module:
-        """A randomly initialised model of ``config`` in ``dtype`` (the background process of ``data.rollout_lag``
-        builds the policy's architecture this way, then takes its weights)."""
+        """A randomly initialised model of ``config`` in ``dtype`` (the background process of
+        ``data.schedule.rollout_lag`` builds the policy's architecture this way, then takes its weights)."""
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -21,6 +21,7 @@ from torch import Tensor
 from torchmetrics import Metric
 from transformers import PreTrainedModel
 
+from grpo_lightning.collectives import gather_per_rank
 from grpo_lightning.config import ConfigError, ObjectiveConfig
 from grpo_lightning.config_checks import check_checkpoint_fits, check_ranges
 from grpo_lightning.distillation import TeacherConfig, build_teacher, check_teacher_run
@@ -35,7 +36,6 @@ from grpo_lightning.models.policy_and_reference import attached_trainer, build_p
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.optimizer import adamw_with_warmup
 from grpo_lightning.rollout.batch import RolloutBatch
-from grpo_lightning.strategies import gather_per_rank
 from grpo_lightning.update_plan import Place, UpdatePlan
 
 # Lightning loads checkpoints with ``torch.load(weights_only=True)``: the settings objects saved with the

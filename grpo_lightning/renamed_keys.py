@@ -2,11 +2,13 @@
 
 Config keys are public API: a YAML written for an earlier layout keeps working. The rollout side of the algorithm
 (sampling, rewards, advantages, μ, evaluation) moved from ``model`` to ``data`` when the rollout became the
-DataModule's. ``migrate`` moves the old keys of a loaded YAML document (a ``--config`` file, or a whole config
-given inline) to their places; ``migrate_command_line`` does the same for ``--model.sampling.group_size 4``-style
-flags. The CLI's parsers read every document through ``migrate`` (the ``grpo_yaml`` parser mode below). An old key
-and its new one set differently in one document, or both as flags, are refused in the same line (``both_set``); a
-flag still overrides a file, whichever key either uses.
+DataModule's; ``data``'s own settings then moved into the groups the YAML already had (``data.update``,
+``data.schedule``, ``data.sampling``, ``data.eval``), a key that moved twice straight to its last place.
+``migrate`` moves the old keys of a loaded YAML document (a ``--config`` file, or a whole config given inline) to
+their places; ``migrate_command_line`` does the same for ``--model.sampling.group_size 4``-style flags. The CLI's
+parsers read every document through ``migrate`` (the ``grpo_yaml`` parser mode below). An old key and its new one
+set differently in one document, or both as flags, are refused in the same line (``both_set``); a flag still
+overrides a file, whichever key either uses.
 """
 
 from __future__ import annotations
@@ -37,13 +39,30 @@ RENAMED: dict[str, str] = {
     "model.eval_temperature": "data.eval.temperature",
     "model.eval_pass_k": "data.eval.pass_k",
     "model.eval_answer_fn": "data.eval.answer_fn",
-    "model.objective.num_iterations": "data.num_iterations",
-    "model.objective.old_logprobs": "data.old_logprobs",
-    "model.objective.mask_truncated_completions": "data.mask_truncated_completions",
+    "model.objective.num_iterations": "data.update.num_iterations",
+    "model.objective.old_logprobs": "data.update.old_logprobs",
+    "model.objective.mask_truncated_completions": "data.update.mask_truncated_completions",
     "model.objective.advantage_baseline": "data.advantage.baseline",
     "model.objective.advantage_scale": "data.advantage.scale",
     "model.objective.advantage_std": "data.advantage.std",
     "model.objective.advantage_eps": "data.advantage.eps",
+    # ``data``'s settings grouped as the YAML groups them (issue 51): the update half of a round, the lag's settings,
+    # how a round samples, held-out evaluation.
+    "data.num_iterations": "data.update.num_iterations",
+    "data.mini_batch_size": "data.update.mini_batch_size",
+    "data.micro_batch_size": "data.update.micro_batch_size",
+    "data.balance_micro_batches": "data.update.balance_micro_batches",
+    "data.pack_tokens": "data.update.pack_tokens",
+    "data.old_logprobs": "data.update.old_logprobs",
+    "data.mask_truncated_completions": "data.update.mask_truncated_completions",
+    "data.rollout_lag": "data.schedule.rollout_lag",
+    "data.off_policy_correction": "data.schedule.off_policy_correction",
+    "data.rollout_threads": "data.schedule.rollout_threads",
+    "data.rollout_timeout_s": "data.schedule.rollout_timeout_s",
+    "data.dynamic_sampling": "data.sampling.dynamic_sampling",
+    "data.max_sampling_rounds": "data.sampling.max_sampling_rounds",
+    "data.val_batch_size": "data.eval.batch_size",
+    "data.val_limit": "data.eval.limit",
 }
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -74,7 +93,7 @@ def migrate(document: Any) -> Any:
     for name in SUBCOMMANDS:  # a config for the whole command line: `--config all.yaml fit`
         if isinstance(document.get(name), dict):
             migrate(document[name])
-    if not isinstance(document.get("model"), dict):
+    if not isinstance(document.get("model"), dict) and not isinstance(document.get("data"), dict):
         return document
     for old, new in RENAMED.items():
         found, value = _pop(document, old.split("."))

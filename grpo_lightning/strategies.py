@@ -7,7 +7,6 @@
 * ``gathered``: the model's full weights for the duration of a block (FSDP2: one all-gather per layer, kept until
   the block ends; DeepSpeed ZeRO-3: ``GatheredParameters``). Sampling runs a data-dependent number of decoding
   steps per rank, so it must not all-gather per step: a rank that finished early would leave the others waiting.
-* ``gather_per_rank``: every rank's copy of a small value (checkpoint state kept per rank).
 """
 
 from __future__ import annotations
@@ -210,14 +209,3 @@ def gathered(model: nn.Module | None) -> Iterator[None]:
                     unit.set_reshard_after_forward(True, recurse=False)
     finally:
         setattr(model, _GATHERED, False)
-
-
-def gather_per_rank(trainer: Any, value: Any) -> list[Any]:
-    """``value`` of every rank, in rank order (a collective under data parallelism: call it on every rank);
-    ``[value]`` in a single process. For small picklable state (positions, RNG states), not for tensors."""
-    world = trainer.world_size if trainer is not None else 1
-    if world == 1 or not torch.distributed.is_available() or not torch.distributed.is_initialized():
-        return [value]
-    gathered_values: list[Any] = [None] * world
-    torch.distributed.all_gather_object(gathered_values, value)
-    return gathered_values

@@ -14,7 +14,7 @@ forwards — the number of batches the DataModule serves per epoch.
 Every consumer reads these numbers from the plan: the collector (the round's optimizer steps, π_old's need),
 ``RolloutBatch.micro_batches`` (the cut), the DataModule (the epoch's length), the config checks (the sizes must
 divide, the Trainer's accumulation must agree) and ``GRPOModule.training_step`` (where a micro-batch stands, the
-loss's scale). ``plan_update`` builds it from the settings; nothing else computes them.
+loss's scale). ``plan_update`` builds it from ``data.update``; nothing else computes them.
 
 Rows are planned on trajectories: an agent's session may make several rows, and dynamic sampling keeps the rollout
 at its planned size, so the counts never depend on what a round sampled (see ``RolloutBatch.micro_batches``).
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from grpo_lightning.config import ConfigError
+from grpo_lightning.config import ConfigError, UpdateConfig
 
 
 @dataclass(frozen=True)
@@ -80,12 +80,12 @@ class UpdatePlan:
         """Refuse sizes that do not divide (a pass would end inside a mini-batch, or a step inside a micro-batch)."""
         if self.rows_per_round % self.mini_batch_size:
             raise ConfigError(
-                f"data.mini_batch_size ({self.mini_batch_size}) must divide the rollout of prompts_per_round × "
+                f"data.update.mini_batch_size ({self.mini_batch_size}) must divide the rollout of prompts_per_round × "
                 f"group_size = {self.rows_per_round}"
             )
         if self.mini_batch_size % self.micro_batch_size:
             raise ConfigError(
-                f"data.micro_batch_size ({self.micro_batch_size}) must divide data.mini_batch_size "
+                f"data.update.micro_batch_size ({self.micro_batch_size}) must divide data.update.mini_batch_size "
                 f"({self.mini_batch_size})"
             )
 
@@ -96,16 +96,10 @@ class UpdatePlan:
         return Place(index, iteration, mini, micro, ends_step=micro == self.micro_batches_per_step - 1)
 
 
-def plan_update(
-    *,
-    prompts_per_round: int,
-    group_size: int,
-    num_iterations: int,
-    mini_batch_size: int | None,
-    micro_batch_size: int | None,
-) -> UpdatePlan:
-    """The plan of ``data``'s settings of these names (an unset mini-batch is the rollout, an unset micro-batch the
-    mini-batch). Not checked here (``UpdatePlan.check``): the data side refuses bad sizes before training."""
+def plan_update(update: UpdateConfig, *, prompts_per_round: int, group_size: int) -> UpdatePlan:
+    """The plan of ``data.update`` for a rollout of ``prompts_per_round × group_size`` (an unset mini-batch is the
+    rollout, an unset micro-batch the mini-batch). Not checked here (``UpdatePlan.check``): the data side refuses
+    bad sizes before training."""
     rows = prompts_per_round * group_size
-    mini = mini_batch_size or rows
-    return UpdatePlan(num_iterations, rows, mini, micro_batch_size or mini)
+    mini = update.mini_batch_size or rows
+    return UpdatePlan(update.num_iterations, rows, mini, update.micro_batch_size or mini)

@@ -14,7 +14,7 @@ from lightning import Callback
 from lightning.pytorch.loggers import CSVLogger
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
-from grpo_lightning.config import ConfigError
+from grpo_lightning.config import ConfigError, EvalConfig, UpdateConfig
 from grpo_lightning.config_checks import check_accumulation
 from grpo_lightning.rewards import RewardSpec, register
 from grpo_lightning.rollout.batch import RolloutBatch, balanced_split
@@ -42,13 +42,10 @@ def logged_run(tmp_path, *, mu: int, mini: int | None, micro: int | None, dynami
     module = GRPOModule(tiny_model=TINY, objective=ObjectiveConfig(beta=0.04), lr=1e-3)
     data = RolloutDataModule(
         rewards=[RewardSpec("test_plan_length")],
-        sampling=SamplingConfig(group_size=4, max_new_tokens=4),
-        num_iterations=mu,
+        sampling=SamplingConfig(group_size=4, max_new_tokens=4, dynamic_sampling=dynamic),
+        update=UpdateConfig(num_iterations=mu, mini_batch_size=mini, micro_batch_size=micro),
         prompts_per_round=4,
-        mini_batch_size=mini,
-        micro_batch_size=micro,
-        dynamic_sampling=dynamic,
-        val_limit=8,
+        eval=EvalConfig(limit=8),
         task_kwargs={"test_size": 50},
     )
     recorder = RoundRecorder()
@@ -110,9 +107,8 @@ PLANS = {
 @pytest.mark.parametrize("settings,expected", PLANS.values(), ids=PLANS.keys())
 def test_the_plan_of_the_settings(settings, expected):
     prompts, group, mu, mini, micro = settings
-    plan = plan_update(
-        prompts_per_round=prompts, group_size=group, num_iterations=mu, mini_batch_size=mini, micro_batch_size=micro
-    )
+    update = UpdateConfig(num_iterations=mu, mini_batch_size=mini, micro_batch_size=micro)
+    plan = plan_update(update, prompts_per_round=prompts, group_size=group)
     plan.check()
     numbers = (plan.rows_per_round, plan.mini_batch_size, plan.micro_batch_size, plan.micro_batches_per_step)
     assert (*numbers, plan.optimizer_steps, plan.micro_batches_per_round) == expected
@@ -132,15 +128,18 @@ def test_each_micro_batch_knows_its_place_and_the_step_ends_where_lightning_step
 @pytest.mark.parametrize(
     "mini,micro,message",
     [
-        (6, None, r"^data.mini_batch_size \(6\) must divide the rollout of prompts_per_round × group_size = 16$"),
-        (8, 3, r"^data.micro_batch_size \(3\) must divide data.mini_batch_size \(8\)$"),
-        (None, 32, r"^data.micro_batch_size \(32\) must divide data.mini_batch_size \(16\)$"),
+        (
+            6,
+            None,
+            r"^data.update.mini_batch_size \(6\) must divide the rollout of prompts_per_round × group_size = 16$",
+        ),
+        (8, 3, r"^data.update.micro_batch_size \(3\) must divide data.update.mini_batch_size \(8\)$"),
+        (None, 32, r"^data.update.micro_batch_size \(32\) must divide data.update.mini_batch_size \(16\)$"),
     ],
 )
 def test_sizes_that_do_not_divide_are_refused_by_the_plan(mini, micro, message):
-    plan = plan_update(
-        prompts_per_round=4, group_size=4, num_iterations=1, mini_batch_size=mini, micro_batch_size=micro
-    )
+    update = UpdateConfig(mini_batch_size=mini, micro_batch_size=micro)
+    plan = plan_update(update, prompts_per_round=4, group_size=4)
     with pytest.raises(ConfigError, match=message):
         plan.check()
     with pytest.raises(ConfigError, match=message):  # the Trainer's check reads the same plan
@@ -148,7 +147,9 @@ def test_sizes_that_do_not_divide_are_refused_by_the_plan(mini, micro, message):
 
 
 def test_the_trainer_accumulation_is_checked_against_the_plan():
-    plan = plan_update(prompts_per_round=4, group_size=4, num_iterations=2, mini_batch_size=8, micro_batch_size=2)
+    plan = plan_update(
+        UpdateConfig(num_iterations=2, mini_batch_size=8, micro_batch_size=2), prompts_per_round=4, group_size=4
+    )
     check_accumulation(4, plan)
     with pytest.raises(ConfigError, match=r"^trainer.accumulate_grad_batches = 1, but .* = 4 micro-batches"):
         check_accumulation(1, plan)

@@ -1,4 +1,4 @@
-"""Asynchronous rollouts, measured: a round at ``data.rollout_lag: 1`` against the two halves it overlaps.
+"""Asynchronous rollouts, measured: a round at ``data.schedule.rollout_lag: 1`` against the two halves it overlaps.
 
     python tools/bench_async.py                  # bench_trl's settings B with μ = 1, β = 0; 3 runs of each row
     python tools/bench_async.py --settings A --runs 5
@@ -8,7 +8,7 @@ Rows, each run in a fresh subprocess (rotated, so that the machine's drift hits 
 
 - ``lag 0, 2 threads``: today's round, generate then update, at torch's default on a 2-core machine;
 - ``lag 1, 1 + 1 threads``: the background process generates with one thread while the update runs on the other
-  (``data.rollout_threads: 1``; the update keeps the rest of this process's 2).
+  (``data.schedule.rollout_threads: 1``; the update keeps the rest of this process's 2).
 
 Per run, over the measured rounds (after the warm-up rounds): seconds per round (wall time from one round's start
 to the next's) and the means of the round's own ``time/generate`` (the background process's at lag 1),
@@ -42,6 +42,8 @@ def run(settings: Settings, folder: Path, lag: int, rollout_threads: int | None,
     """One measured fit in this process; per-round wall times and the rollout's timings."""
     import lightning as L
 
+    from grpo_lightning import ScheduleConfig
+
     warmup, measured = rounds
     starts: list[float] = []
     per_round: list[dict[str, float]] = []
@@ -65,7 +67,8 @@ def run(settings: Settings, folder: Path, lag: int, rollout_threads: int | None,
     # One optimizer step per pass over the rollout (mini-batch = rollout): μ steps a round; one round more than
     # measured, as the last measured round ends when the next one starts.
     settings = replace(settings, warmup_steps=warmup * settings.mu, measured_steps=(measured + 1) * settings.mu)
-    module, data, trainer = make_ours(settings, folder, [Rounds()], rollout_lag=lag, rollout_threads=rollout_threads)
+    schedule = ScheduleConfig(rollout_lag=lag, rollout_threads=rollout_threads)
+    module, data, trainer = make_ours(settings, folder, [Rounds()], schedule=schedule)
     trainer.fit(module, datamodule=data)
     window = slice(warmup, warmup + measured)
     seconds = [b - a for a, b in zip(starts[window], starts[warmup + 1 : warmup + measured + 1])]

@@ -105,7 +105,7 @@ def run_ours(settings: Settings, folder: Path) -> dict[str, float]:
     """Our side: the public API as a user sets up distillation, a callback timestamping every optimizer step."""
     import lightning as L
 
-    from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
+    from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig, UpdateConfig
     from grpo_lightning.integrations.distillation.teacher import TeacherConfig
 
     stamps: list[tuple[float, float]] = []
@@ -123,7 +123,7 @@ def run_ours(settings: Settings, folder: Path) -> dict[str, float]:
         rewards=[],
         sampling=SamplingConfig(group_size=2, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, temperature=1.0),
         prompts_per_round=SEQUENCES // 2,
-        mini_batch_size=SEQUENCES,
+        update=UpdateConfig(mini_batch_size=SEQUENCES),
         seed=SEED,
     )
     trainer = bench_trainer(settings.warmup_steps + settings.measured_steps, [ours_step_timer(stamps)])

@@ -83,7 +83,7 @@ def run_demo(root: Path, rounds: int, val_limit: int, folder: Path) -> dict[str,
 
     asset = root / "grpo_lightning" / "assets" / "tiny-calc"
     common = ["--config", str(root / "configs" / "tools_calculator.yaml"), "--model.model_name_or_path", str(asset)]
-    common += ["--data.val_limit", str(val_limit), "--trainer.default_root_dir", str(folder)]
+    common += ["--data.eval.limit", str(val_limit), "--trainer.default_root_dir", str(folder)]
     quiet = ["--trainer.enable_progress_bar", "false"]
 
     def accuracy(cli: GRPOCLI) -> float:

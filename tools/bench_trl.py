@@ -302,12 +302,15 @@ def bench_trainer(max_steps: int, callbacks: list[Any]) -> Any:
     )
 
 
-def make_ours(settings: Settings, folder: Path, callbacks: list[Any], **data_options: Any) -> tuple[Any, Any, Any]:
+def make_ours(
+    settings: Settings, folder: Path, callbacks: list[Any], pack_tokens: Any = "auto", **data_options: Any
+) -> tuple[Any, Any, Any]:
     """Our public API, as a user would set up a benchmark: no logger, checkpoints, progress bar or validation.
-    Returns ``(GRPOModule, RolloutDataModule, Trainer)``; ``data_options``: more of ``RolloutDataModule``'s."""
+    Returns ``(GRPOModule, RolloutDataModule, Trainer)``; ``pack_tokens``: ``data.update.pack_tokens``;
+    ``data_options``: more of ``RolloutDataModule``'s."""
     import lightning as L
 
-    from grpo_lightning import GRPOModule, ObjectiveConfig, RewardSpec, RolloutDataModule, SamplingConfig
+    from grpo_lightning import GRPOModule, ObjectiveConfig, RewardSpec, RolloutDataModule, SamplingConfig, UpdateConfig
     from grpo_lightning.rewards import register
 
     register("digit_fraction")(digit_fraction)  # registering the same function again is a no-op
@@ -330,10 +333,11 @@ def make_ours(settings: Settings, folder: Path, callbacks: list[Any], **data_opt
         ),
         **({"engine": replay_engine(settings)} if settings.uneven else {}),
         # images: the engine that gives the model each row's images; rows with images run padded (no packing)
-        **({"engine": "transformers", "pack_tokens": None} if settings.images else {}),
+        **({"engine": "transformers"} if settings.images else {}),
         prompts_per_round=settings.prompts,
-        mini_batch_size=rollout,
-        num_iterations=settings.mu,
+        update=UpdateConfig(
+            mini_batch_size=rollout, num_iterations=settings.mu, pack_tokens=None if settings.images else pack_tokens
+        ),
         seed=SEED,
         **data_options,
     )
@@ -544,7 +548,7 @@ def main() -> None:
         parser.error(f"--baseline {baseline} has no tools/bench_trl.py: make a checkout with git worktree add DIR REV")
     frameworks = ["trl", "ours"] + (["baseline"] if baseline else [])
     if any(s.uneven for s in chosen.values()):
-        frameworks.append("padded")  # ours with data.pack_tokens: null, to show what packing does
+        frameworks.append("padded")  # ours with data.update.pack_tokens: null, to show what packing does
 
     rows, loads, last_ours = [], [], {}
     for name, settings in chosen.items():

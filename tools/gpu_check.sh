@@ -102,7 +102,7 @@ def error_text(err: BaseException) -> str:
 def training(result: dict) -> None:
     from lightning import Callback, Trainer
 
-    from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
+    from grpo_lightning import EvalConfig, GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig, UpdateConfig
     from grpo_lightning.cli import TRAINER_DEFAULTS
     from grpo_lightning.models.tiny import TinyModelConfig
     from grpo_lightning.rewards import RewardSpec
@@ -185,8 +185,8 @@ def training(result: dict) -> None:
         # min = max: every completion has exactly `length` tokens, whatever the random policy samples
         sampling=SamplingConfig(group_size=group, max_new_tokens=length, min_new_tokens=length, generation_batch_size=128),
         prompts_per_round=prompts,
-        micro_batch_size=micro,
-        val_limit=8,
+        update=UpdateConfig(micro_batch_size=micro),
+        eval=EvalConfig(limit=8),
     )
     measure = Measure()
     trainer = Trainer(
@@ -507,7 +507,7 @@ def vlm(result: dict) -> None:
 
     from lightning import Callback, Trainer
 
-    from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
+    from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig, UpdateConfig
     from grpo_lightning.cli import TRAINER_DEFAULTS
     from grpo_lightning.rewards import RewardSpec
 
@@ -584,7 +584,7 @@ def vlm(result: dict) -> None:
             task_kwargs={"train_size": 64, "test_size": 1, "grid": grid, "max_count": 9 if not smoke else 6},
             val_split=None, engine=engine, rewards=[RewardSpec("exact_answer")],
             sampling=SamplingConfig(group_size=group, max_new_tokens=length, min_new_tokens=length),
-            prompts_per_round=prompts, micro_batch_size=min(16, prompts * group), pack_tokens=None,
+            prompts_per_round=prompts, update=UpdateConfig(micro_batch_size=min(16, prompts * group), pack_tokens=None),
         )
         measure = Measure()
         trainer = Trainer(

@@ -35,7 +35,7 @@ run() {  # name lag [extra fit arguments]
     local t0 t1 accuracy
     t0=$(date +%s.%N)
     "$PY" -m grpo_lightning fit --config configs/quickstart.yaml --trainer.default_root_dir "$dir" \
-        --data.rollout_lag "$lag" "$@" >"$dir.fit.log" 2>&1
+        --data.schedule.rollout_lag "$lag" "$@" >"$dir.fit.log" 2>&1
     t1=$(date +%s.%N)
     "$PY" -m grpo_lightning validate --config configs/quickstart.yaml --trainer.default_root_dir "$dir" \
         --trainer.logger false --ckpt_path "$dir/checkpoints/last.ckpt" >"$dir.validate.log" 2>&1

@@ -32,8 +32,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from grpo_lightning.checkpoint_io import remove_partial_checkpoints
+from grpo_lightning.collectives import gather_per_rank
 from grpo_lightning.config import ConfigError
-from grpo_lightning.strategies import gather_per_rank
 
 log = logging.getLogger(__name__)
 

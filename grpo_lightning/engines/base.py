@@ -26,7 +26,7 @@ What every engine samples, and what its log-probs mean (the same for all; ``test
   the tempered policy; with top-k, top-p or a minimum length μ renormalises over the kept tokens. Engines that
   have the full logits at hand (lean, transformers) also return ``Completions.policy_logprobs``, the tempered,
   unfiltered log-probs the trainer's forward computes: on the trainer's float32 weights they are π_old exactly
-  (``data.old_logprobs: auto`` takes them, saving a forward pass). For an engine with its own copy (vLLM), which
+  (``data.update.old_logprobs: auto`` takes them, saving a forward pass). For an engine with its own copy (vLLM), which
   gives μ only, π_old is recomputed and the truncated importance-sampling weight π_old / μ
   (``loss.truncated_importance_weights``) then corrects for both the engine's rounding and the filter: with
   top-p < 1 a kept token has μ ≥ π_old, so token weights are ≤ 1 and a sequence-level weight, their product,

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 from grpo_lightning.callbacks.checkpointing import default_checkpoint
 from grpo_lightning.cli import GRPOCLI
 from grpo_lightning.config import ConfigError, EvalConfig, SamplingConfig
-from grpo_lightning.engines import RolloutEngine
+from grpo_lightning.engines import RolloutEngine, build_engine
 from grpo_lightning.evaluation import HeldOutMetrics
 from grpo_lightning.integrations.vision.images import IMAGE_COLUMNS
 from grpo_lightning.lora import LoraConfig
@@ -43,7 +43,7 @@ from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.rewards import RewardSpec
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.data_sources import PromptData
-from grpo_lightning.rollout.policy_side import EngineHandle, PolicySide
+from grpo_lightning.rollout.policy_side import PolicySide
 from grpo_lightning.rollout.prompts import Prompt, PromptEncoder, check_prompt_rows, rename_prompt_column, response_text
 
 IGNORE_INDEX = -100  # label of the tokens the loss skips (prompt and padding), as in Hugging Face models
@@ -61,6 +61,28 @@ def response_loss(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
     return total / count.clamp(min=1), count
+
+
+class EngineHandle:
+    """The engine of ``data.engine`` for evaluation alone (``SFTDataModule``; a GRPO run's belongs to its
+    ``RolloutCollector``), set up on the module's policy at first use (and again if the module builds a new
+    policy, e.g. a second ``fit`` in the same process)."""
+
+    def __init__(self, spec: str | RolloutEngine) -> None:
+        self.engine = build_engine(spec)  # an unknown name is refused now, before any model loads
+
+    def get(self, module: PolicySide) -> RolloutEngine:
+        """The engine, sampling from ``module.policy``."""
+        if self.engine.policy is not module.policy:
+            self.engine.setup(module.policy, module.tokenizer, module.modality)
+        return self.engine
+
+    def current(self, module: PolicySide) -> RolloutEngine:
+        """The engine on ``module``'s current weights (pushed first if it holds a stale copy)."""
+        engine = self.get(module)
+        if not engine.is_current(module.global_step):
+            engine.load_weights(module.policy, module.global_step)
+        return engine
 
 
 class SFTModule(LightningModule):
@@ -321,8 +343,6 @@ class SFTDataModule(PromptData, LightningDataModule):
         engine: str | RolloutEngine = "auto",
         sampling: SamplingConfig | None = None,
         eval: EvalConfig | None = None,
-        val_batch_size: int = 128,
-        val_limit: int | None = None,
         seed: int = 0,
     ) -> None:
         """
@@ -351,9 +371,8 @@ class SFTDataModule(PromptData, LightningDataModule):
             accuracy_reward: the reward whose value >= 1 counts as correct (default: the first).
             engine: what generates the held-out completions (see ``RolloutDataModule``).
             sampling: generation settings of evaluation (``max_new_tokens``; top-p/top-k of the k samples).
-            eval: k samples per held-out prompt for pass@k / maj@k.
-            val_batch_size: prompts per evaluation batch.
-            val_limit: evaluate on the first ``val_limit`` held-out prompts only.
+            eval: k samples per held-out prompt for pass@k / maj@k, prompts per evaluation batch, the first
+                ``limit`` held-out prompts only.
             seed: seed of the shuffling (a fresh order per epoch, and the order of packing) and of evaluation.
         """
         super().__init__()
@@ -367,7 +386,7 @@ class SFTDataModule(PromptData, LightningDataModule):
         self.scorer = Scorer(rewards, accuracy_reward=accuracy_reward)
         self.engine = EngineHandle(engine)
         self.sampling, self.eval = sampling or SamplingConfig(), eval or EvalConfig()
-        self.val_batch_size, self.val_limit, self.seed = val_batch_size, val_limit, seed
+        self.seed = seed
         self.train_examples: list[Any] | None = None
         self.val_data: Dataset | None = None
 
@@ -420,7 +439,7 @@ class SFTDataModule(PromptData, LightningDataModule):
         return encode_image_examples(encoder, rows, responses, self.max_length, self.sources.train_where)
 
     def _setup_held_out(self) -> None:
-        held_out = self.sources.held_out(self.val_limit) if self.val_data is None else None
+        held_out = self.sources.held_out(self.eval.limit) if self.val_data is None else None
         if held_out is not None:
             data, where = held_out
             data = rename_prompt_column(data, self.prompt_column, where)

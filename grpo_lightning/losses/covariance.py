@@ -15,7 +15,7 @@ and restrain their update. N is the number of loss tokens of the call, r the los
   Cov_t < ``clip_cov_ub``, leave the loss (value and gradient 0). The draw uses ``LossInputs.generator``.
 - ``kl_cov``: the unclipped surrogate −ρA, plus ``ppo_kl_coef``·|log ρ| on the max(⌊r·N⌋, 1) tokens of largest
   Cov_t. The penalty and its gradient are 0 at ρ = 1: it acts from a round's second optimizer step on
-  (``data.num_iterations`` > 1, or several mini-batches), as in verl.
+  (``data.update.num_iterations`` > 1, or several mini-batches), as in verl.
 
 As in verl, the means and N are the micro-batch's (its rows on this rank), so the step depends on the micro-batch
 size (``micro_batch_statistics``). Where verl differs in ways that cannot show: its masked means divide by N +

@@ -3,7 +3,7 @@
 With d = log π_ref − log π_θ (Schulman, "Approximating KL divergence"; k3 is DeepSeekMath's):
 k1 = −d, k2 = d² / 2, k3 = exp(d) − d − 1. At a context s, each estimates KL(π_θ(·|s) ‖ π_ref(·|s)) only on a
 token drawn from π_θ; ours were drawn by a sampler μ: π_old when the trainer sampled at lag 0, else an older policy
-(``data.rollout_lag``) or another engine's kernels (vLLM). ``kl_importance_weighted`` weights each token's
+(``data.schedule.rollout_lag``) or another engine's kernels (vLLM). ``kl_importance_weighted`` weights each token's
 estimator by the whole way from the sampler,
 
     π_θ / μ = (π_θ / π_old) · (π_old / μ) = ρ · w,

@@ -58,7 +58,7 @@ class RolloutBatch:
     # and the length limit (Dr. GRPO's constant normaliser).
     temperature: float = 1.0
     max_new_tokens: int = 0
-    pack_tokens: int | str | None = None  # ``data.pack_tokens``: packed or padded log-prob passes
+    pack_tokens: int | str | None = None  # ``data.update.pack_tokens``: packed or padded log-prob passes
     # [N] each row's trajectory, rows of one adjacent (an agent's session may make several rows:
     # ``integrations/agents/``): group statistics and advantages are per trajectory, each row taking its trajectory's.
     # None: row i is trajectory i.

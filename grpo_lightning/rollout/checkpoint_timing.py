@@ -14,8 +14,8 @@ from grpo_lightning.config import ConfigError
 
 
 def check_checkpoint_timing(trainer: Trainer, *, lag: int, round_batches: int, held_out: bool) -> None:
-    """At ``data.rollout_lag`` = ``lag`` > 0, refuse before training a checkpoint callback that saves inside a round
-    (one of ``round_batches`` micro-batches; ``held_out``: there are held-out rows to validate on).
+    """At ``data.schedule.rollout_lag`` = ``lag`` > 0, refuse before training a checkpoint callback that saves inside a
+    round (one of ``round_batches`` micro-batches; ``held_out``: there are held-out rows to validate on).
 
     Why: a checkpoint at a lag holds the rounds sampled ahead, not the rollout in training (sampled by the weights
     of L rounds before, which no checkpoint keeps). A run resumed inside round k would have nothing to train the
@@ -66,6 +66,6 @@ def check_checkpoint_timing(trainer: Trainer, *, lag: int, round_batches: int, h
         else:
             continue
         raise ConfigError(
-            f"trainer.callbacks: {what} saves inside a round, which a run at data.rollout_lag={lag} cannot "
+            f"trainer.callbacks: {what} saves inside a round, which a run at data.schedule.rollout_lag={lag} cannot "
             f"resume from (its checkpoint holds the rounds sampled ahead, not the one in training); {fix}"
         )

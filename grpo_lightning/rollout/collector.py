@@ -1,9 +1,9 @@
 """``RolloutCollector``: one rollout round, from the policy's weights to the micro-batches the update trains on.
 
 It owns what samples and scores a round: the engine, the scorer, the rollout kind (``data.environment``,
-``rollout/kind.py``), the round's settings, this
-rank's sampling generator and, at ``data.rollout_lag`` > 0, the background process and its schedule. Its public
-surface is small:
+``rollout/kind.py``), the round's settings (the groups ``data.sampling``, ``data.advantage``, ``data.update``,
+``data.schedule``, as given), this rank's sampling generator and, at ``data.schedule.rollout_lag`` > 0, the
+background process and its schedule. Its public surface is small:
 
 - ``connect(policy, trainer, prompts)``: the policy side it samples from (``PolicySide``, the LightningModule)
   and the prompts it draws (``RoundPrompts``, the DataModule);
@@ -22,14 +22,15 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 from datasets import Dataset
 from lightning import Trainer
 from torch import Tensor
 
-from grpo_lightning.config import AdvantageConfig, ConfigError, SamplingConfig
+from grpo_lightning.collectives import gather_per_rank
+from grpo_lightning.config import AdvantageConfig, ConfigError, SamplingConfig, ScheduleConfig, UpdateConfig
 from grpo_lightning.config_checks import check_accumulation, check_weights_can_leave
 from grpo_lightning.engines import RolloutEngine, build_engine
 from grpo_lightning.lora import is_peft_model
@@ -43,7 +44,6 @@ from grpo_lightning.rollout.sample_and_score import rollout_kind
 from grpo_lightning.rollout.schedule import BackgroundRollouts, policy_state
 from grpo_lightning.rollout.stream import PromptStream
 from grpo_lightning.rollout.worker import WorkerSpec
-from grpo_lightning.strategies import gather_per_rank
 from grpo_lightning.update_plan import plan_update
 
 
@@ -78,41 +78,24 @@ class RolloutCollector:
         environment: RolloutKind | None,
         sampling: SamplingConfig,
         advantage: AdvantageConfig,
+        update: UpdateConfig,
+        schedule: ScheduleConfig,
         prompts_per_round: int,
-        mini_batch_size: int | None,
-        micro_batch_size: int | None,
-        num_iterations: int,
-        pack_tokens: int | Literal["auto"] | None,
-        balance_micro_batches: bool,
-        old_logprobs: Literal["auto", "sampler", "recompute"],
-        mask_truncated_completions: bool,
-        dynamic_sampling: bool,
-        max_sampling_rounds: int,
-        rollout_lag: int,
-        off_policy_correction: Literal["decoupled", "behaviour", "none"],
-        rollout_threads: int | None,
-        rollout_timeout_s: float,
         seed: int,
     ) -> None:
-        """The settings are ``RolloutDataModule``'s of the same names (its docstring says what each does)."""
+        """The settings are ``RolloutDataModule``'s of the same names (its docstring says what each does); the
+        settings groups are kept as given (not copied): ``data.sampling``, ``data.advantage``, ``data.update``,
+        ``data.schedule``."""
         self.engine = build_engine(engine)  # an unknown name is refused now, before any model loads
         self.scorer, self.environment = scorer, rollout_kind(environment)  # None: single-turn sampling
-        self.sampling, self.advantage = sampling, advantage
+        self.sampling, self.advantage, self.update, self.schedule = sampling, advantage, update, schedule
         advantage.check_round(sampling.group_size, process_rewards=bool(scorer.process))  # k <= G, outcome rewards
-        self.plan = plan_update(  # the update half of every round: μ passes × mini-batches × micro-batches
-            prompts_per_round=prompts_per_round,
-            group_size=sampling.group_size,
-            num_iterations=num_iterations,
-            mini_batch_size=mini_batch_size,
-            micro_batch_size=micro_batch_size,
-        )
-        self.pack_tokens, self.balance_micro_batches = pack_tokens, balance_micro_batches
-        self.old_logprobs, self.mask_truncated_completions = old_logprobs, mask_truncated_completions
-        self.dynamic_sampling, self.max_sampling_rounds = dynamic_sampling, max_sampling_rounds
-        self.rollout_lag, self.off_policy_correction = rollout_lag, off_policy_correction
+        # The update half of every round: μ passes × mini-batches × micro-batches.
+        self.plan = plan_update(update, prompts_per_round=prompts_per_round, group_size=sampling.group_size)
         self.seed = seed
+        lag = schedule.rollout_lag
         self.background = (
-            BackgroundRollouts(rollout_lag, self.engine, rollout_threads, rollout_timeout_s) if rollout_lag else None
+            BackgroundRollouts(lag, self.engine, schedule.rollout_threads, schedule.rollout_timeout_s) if lag else None
         )
         self.generator: torch.Generator | None = None  # this rank's sampling stream (made at first use)
         self._generator_state: Tensor | None = None  # restored from a checkpoint, applied at first use
@@ -132,7 +115,7 @@ class RolloutCollector:
         temperature the teacher cannot score at, what the policy's modality cannot take (a vision model's images on an
         engine that takes none, ``Modality.check_run``), no learning signal at all."""
         trainer = self._trainer
-        check_weights_can_leave(trainer.strategy, self.engine, self.rollout_lag)
+        check_weights_can_leave(trainer.strategy, self.engine, self.schedule.rollout_lag)
         check_accumulation(trainer.accumulate_grad_batches, self.plan)
         policy = self.policy  # after the strategy's checks, which need no model
         rewards_teach = self.environment.gives_rewards or any(spec.weight for spec in self.scorer.specs)
@@ -142,10 +125,10 @@ class RolloutCollector:
                 "data.sampling.group_size 1 gives every reward a zero advantage (a group of one has no baseline); "
                 "set group_size >= 2, or use it with model.teacher and data.rewards of weight 0"
             )
-        if self.sampling.group_size == 1 and self.dynamic_sampling:
+        if self.sampling.group_size == 1 and self.sampling.dynamic_sampling:
             raise ConfigError(
-                "data.dynamic_sampling drops every group whose rewards tie, and a group of one always ties: set "
-                "data.dynamic_sampling false with data.sampling.group_size 1"
+                "data.sampling.dynamic_sampling drops every group whose rewards tie, and a group of one always ties: "
+                "set data.sampling.dynamic_sampling false with data.sampling.group_size 1"
             )
         policy.modality.check_run(self.engine, self.environment)
         if not self.scorer.specs and not self.environment.gives_rewards and policy.distillation_weight is None:
@@ -175,21 +158,22 @@ class RolloutCollector:
     def round_settings(self) -> RoundSettings:
         """The algorithm's settings of a round (the engine's settings only: it is not set up here)."""
         full_precision = str(self._trainer.precision) in ("32-true", "32", "64-true") if self._trainer else True
+        update, sampling = self.update, self.sampling
         return RoundSettings(
             sampling=self.sampling,
             advantage=self.advantage,
             optimizer_steps=self.plan.optimizer_steps,
-            old_logprobs=self.old_logprobs,
+            old_logprobs=update.old_logprobs,
             engine_logprobs_exact=full_precision and self.engine.logprobs_match_policy(self.policy.policy),
             importance_correction=not self.engine.shares_weights,
-            mask_truncated_completions=self.mask_truncated_completions,
-            dynamic_sampling=self.dynamic_sampling,
-            max_sampling_rounds=self.max_sampling_rounds,
+            mask_truncated_completions=update.mask_truncated_completions,
+            dynamic_sampling=sampling.dynamic_sampling,
+            max_sampling_rounds=sampling.max_sampling_rounds,
             environment=self.environment,
             reference=self.policy.has_reference,
-            rollout_lag=self.rollout_lag,
-            pack_tokens=self.pack_tokens,
-            correction=self.off_policy_correction,
+            rollout_lag=self.schedule.rollout_lag,
+            pack_tokens=update.pack_tokens,
+            correction=self.schedule.off_policy_correction,
             teacher_weight=self.policy.distillation_weight,
         )
 
@@ -197,8 +181,8 @@ class RolloutCollector:
     def collect(self, round_index: int) -> tuple[RolloutBatch, list[dict[str, Any]]]:
         """Round ``round_index``: its rollout and the micro-batches of μ passes over it (DeepSeekMath, Alg. 1).
 
-        At a lag (``data.rollout_lag`` = L) steps 1–4 happened in the background process, L rounds ago: this round
-        pushes the current weights to it, launches round k + L and takes round k (``rollout/schedule.py``).
+        At a lag (``data.schedule.rollout_lag`` = L) steps 1–4 happened in the background process, L rounds ago: this
+        round pushes the current weights to it, launches round k + L and takes round k (``rollout/schedule.py``).
         """
         policy, prompts, settings = self.policy, self._prompts, self.round_settings()
         gather, per_rank = self._collectives()
@@ -239,7 +223,7 @@ class RolloutCollector:
             self.plan,
             generator=torch.Generator().manual_seed(self.seed + prompts.stream.position),
             sum_across_ranks=(lambda t: gather(t).sum(0)) if gather is not None else None,
-            balance_tokens=self.balance_micro_batches,
+            balance_tokens=self.update.balance_micro_batches,
         )
         policy.receive_round(self.plan, rollout.metrics)  # 9. the round's record: the module logs it, once
         return rollout, batches

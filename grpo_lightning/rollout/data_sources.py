@@ -163,7 +163,6 @@ class PromptData:
     sampling: SamplingConfig
     eval: EvalConfig
     seed: int
-    val_batch_size: int
 
     def init_prompts(self, settings: Mapping[str, Any]) -> None:
         """Take the data settings (a data module's ``__init__`` arguments) that say where the rows come from and
@@ -210,7 +209,7 @@ class PromptData:
             rank=rank,
             environment=environment,
         )
-        return held_out_loader(data, self.val_batch_size, sampler, rank=rank, world_size=world)
+        return held_out_loader(data, self.eval.batch_size, sampler, rank=rank, world_size=world)
 
     def encoder(self, tokenizer: Any = None, modality: Modality | None = None) -> PromptEncoder:
         """The prompts' encoder for ``tokenizer`` of ``modality`` (default: the policy's), with this module's chat

@@ -27,7 +27,15 @@ from lightning import LightningDataModule, Trainer
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from grpo_lightning.config import AdvantageConfig, ConfigError, EvalConfig, SamplingConfig
+from grpo_lightning.collectives import gather_per_rank
+from grpo_lightning.config import (
+    AdvantageConfig,
+    ConfigError,
+    EvalConfig,
+    SamplingConfig,
+    ScheduleConfig,
+    UpdateConfig,
+)
 from grpo_lightning.config_checks import check_ranges, check_round_settings
 from grpo_lightning.engines import RolloutEngine
 from grpo_lightning.rewards import RewardSpec
@@ -42,7 +50,6 @@ from grpo_lightning.rollout.policy_side import PolicySide
 from grpo_lightning.rollout.prompts import load_prompts, prompt_key, prompts_as_keys  # noqa: F401 - load_prompts: kept
 from grpo_lightning.rollout.sample_and_score import rollout_kind
 from grpo_lightning.rollout.stream import PromptStream
-from grpo_lightning.strategies import gather_per_rank
 
 log = logging.getLogger(__name__)
 
@@ -71,24 +78,11 @@ class RolloutDataModule(PromptData, LightningDataModule):
         environment: RolloutKind | None = None,
         sampling: SamplingConfig | None = None,
         advantage: AdvantageConfig | None = None,
+        update: UpdateConfig | None = None,
+        schedule: ScheduleConfig | None = None,
         prompts_per_round: int = 16,
-        mini_batch_size: int | None = None,
-        micro_batch_size: int | None = None,
-        num_iterations: int = 1,
-        pack_tokens: int | Literal["auto"] | None = "auto",
-        balance_micro_batches: bool = True,
-        old_logprobs: Literal["auto", "sampler", "recompute"] = "auto",
-        mask_truncated_completions: bool = False,
-        dynamic_sampling: bool = False,
-        max_sampling_rounds: int = 4,
         curriculum: CurriculumConfig | None = None,
-        rollout_lag: int = 0,
-        off_policy_correction: Literal["decoupled", "behaviour", "none"] = "decoupled",
-        rollout_threads: int | None = None,
-        rollout_timeout_s: float = 1800.0,
         eval: EvalConfig | None = None,
-        val_batch_size: int = 128,
-        val_limit: int | None = None,
         seed: int = 0,
     ) -> None:
         """
@@ -117,42 +111,17 @@ class RolloutDataModule(PromptData, LightningDataModule):
                 across turns, ``max_turns`` and per-turn limits among its settings); ``sampling.max_new_tokens`` then
                 limits everything after the prompt, turns and observations together. None: one completion each.
                 Any ``grpo_lightning.rollout.kind.RolloutKind`` (an agent environment, a user's class) is taken.
-            sampling: rollout sampling settings (group size G, lengths, temperature, top-p, top-k).
-            advantage: how rewards become advantages (baseline, std scaling).
+            sampling: how a round samples (``SamplingConfig``): group size G, lengths, temperature, top-p, top-k,
+                DAPO's dynamic sampling and its cap on generations per round.
+            advantage: how rewards become advantages (``AdvantageConfig``: baseline, std scaling, the estimator).
+            update: the update half of a round (``UpdateConfig``): μ, the mini- and micro-batch sizes, their
+                balance and packing, π_old's source, the truncated completions' mask.
+            schedule: when a round is sampled (``ScheduleConfig``): the rollout lag, its off-policy correction, the
+                background process's threads and timeout.
             prompts_per_round: prompts per rank per round; the rollout has ``prompts_per_round × G`` completions.
-            mini_batch_size: completions per optimizer step (default: the whole rollout, one step per pass).
-            micro_batch_size: completions per forward/backward; ``mini / micro`` micro-batches make an optimizer
-                step: ``trainer.accumulate_grad_batches`` must equal it (the CLI derives it when left unset).
-            num_iterations: μ, optimisation passes over each rollout (DeepSeekMath Alg. 1).
-            pack_tokens: padding-free log-prob passes (``models/packing.py``): each micro-batch's sequences laid end
-                to end in bins of this many tokens; ``auto``: bins as long as its longest sequence, when they spare
-                a quarter of the padded tokens or more; null: padded rows.
-            balance_micro_batches: the micro-batches of a step hold equal shares of its completion tokens (rows
-                assigned longest first), not equal row counts: peak memory stays flat when lengths vary. Their
-                number stays ``mini / micro`` (the trainer's gradient accumulation); the step is the same either way.
-            old_logprobs: where π_old's log-probs come from when a round has several optimizer steps:
-                ``sampler`` (the engine's, no extra pass), ``recompute`` (a forward pass over the rollout), ``auto``
-                (the engine's where they equal the trainer's: the policy's own weights in float32; an engine
-                that gives only its filtered sampling distribution's log-probs, under top-k, top-p or a minimum
-                length, is recomputed).
-            mask_truncated_completions: leave completions cut by ``max_new_tokens`` out of the loss (DAPO).
-            dynamic_sampling: DAPO dynamic sampling: drop groups whose (outcome) rewards are all equal and draw
-                more prompts until the rollout is full of informative groups.
-            max_sampling_rounds: cap on generations per round with dynamic sampling (then the rollout is topped
-                up with uninformative groups, so its size never changes).
             curriculum: draw prompts by their recent pass rate instead of in shuffled order.
-            rollout_lag: L, asynchronous rollouts (``rollout/schedule.py``): round k trains on a rollout sampled by
-                the policy as it was L rounds earlier, while a background process samples the next rounds; 0 =
-                sample, then update, in this process.
-            off_policy_correction: at a lag, the loss's ratio for the stale sampler μ: ``decoupled`` (to the policy
-                at the update's start, times π_prox / μ truncated or masked as ``model.objective.tis_*`` say),
-                ``behaviour`` (to μ directly) or ``none`` (to the update's start, no weight).
-            rollout_threads: CPU threads of the background process (default half of this process's; the update
-                keeps the rest).
-            rollout_timeout_s: the longest wait for the background process (its start, or one round).
-            eval: held-out evaluation: k samples per prompt for pass@k / maj@k (greedy pass@1 always).
-            val_batch_size: prompts per validation batch.
-            val_limit: evaluate on the first ``val_limit`` held-out prompts only.
+            eval: held-out evaluation (``EvalConfig``): k samples per prompt for pass@k / maj@k (greedy pass@1
+                always), the prompts per batch, the first ``limit`` held-out prompts only.
             seed: seed of the prompt order (one shuffle per pass) and of the sampling generator (plus the rank).
         """
         super().__init__()
@@ -170,41 +139,28 @@ class RolloutDataModule(PromptData, LightningDataModule):
                 "data.environment: process rewards (step rewards) do not combine with multi-turn rollouts yet; "
                 "use outcome rewards, which score each trajectory's final turn"
             )
+        # The settings groups, kept whole: the collector holds these same objects.
         self.sampling, self.advantage = sampling or SamplingConfig(), advantage or AdvantageConfig()
+        self.update, self.schedule = update or UpdateConfig(), schedule or ScheduleConfig()
         self.eval = eval or EvalConfig()
-        if pack_tokens != "auto" and pack_tokens is not None and (type(pack_tokens) is not int or pack_tokens < 1):
-            raise ConfigError(f"data.pack_tokens must be a number of tokens >= 1, auto or null (got {pack_tokens!r})")
         self.collector = RolloutCollector(
             engine=engine,
             scorer=self.scorer,
             environment=self.environment,
             sampling=self.sampling,
             advantage=self.advantage,
+            update=self.update,
+            schedule=self.schedule,
             prompts_per_round=prompts_per_round,
-            mini_batch_size=mini_batch_size,
-            micro_batch_size=micro_batch_size,
-            num_iterations=num_iterations,
-            pack_tokens=pack_tokens,
-            balance_micro_batches=balance_micro_batches,
-            old_logprobs=old_logprobs,
-            mask_truncated_completions=mask_truncated_completions,
-            dynamic_sampling=dynamic_sampling,
-            max_sampling_rounds=max_sampling_rounds,
-            rollout_lag=rollout_lag,
-            off_policy_correction=off_policy_correction,
-            rollout_threads=rollout_threads,
-            rollout_timeout_s=rollout_timeout_s,
             seed=seed,
         )
         check_round_settings(
             engine=self.collector.engine,
-            old_logprobs=old_logprobs,
-            rollout_lag=rollout_lag,
-            correction=off_policy_correction,
+            update=self.update,
+            schedule=self.schedule,
             curriculum=curriculum is not None,
         )
-        self.rollout_lag, self.prompts_per_round = rollout_lag, prompts_per_round
-        self.val_batch_size, self.val_limit, self.seed = val_batch_size, val_limit, seed
+        self.prompts_per_round, self.seed = prompts_per_round, seed
         self.curriculum = CurriculumSampler(curriculum, seed) if curriculum is not None else None
         self.stream = PromptStream(prompts_per_round, seed, self.curriculum)
         self.train_data: Dataset | None = None
@@ -259,13 +215,13 @@ class RolloutDataModule(PromptData, LightningDataModule):
             collector.check_before_fit()
             if self.train_data is None:
                 self.train_data = self._checked(self.sources.training_rows(), self.sources.train_where)
-        held_out = self.sources.held_out(self.val_limit) if self.val_data is None else None
+        held_out = self.sources.held_out(self.eval.limit) if self.val_data is None else None
         if held_out is not None:
             self.val_data = self._checked(*held_out)
         if stage == "fit":  # at a lag, only checkpoints at round ends can be resumed from
             check_checkpoint_timing(
                 self.trainer,
-                lag=self.rollout_lag,
+                lag=self.schedule.rollout_lag,
                 round_batches=collector.plan.micro_batches_per_round,
                 held_out=self.val_data is not None,
             )
@@ -366,7 +322,9 @@ class RolloutDataModule(PromptData, LightningDataModule):
                 world,
             )
         elif queues and self.collector.background is None:
-            log.warning("the checkpoint holds rounds sampled ahead (data.rollout_lag > 0): a run at lag 0 drops them")
+            log.warning(
+                "the checkpoint holds rounds sampled ahead (data.schedule.rollout_lag > 0): a run at lag 0 drops them"
+            )
         self.collector.restore_rank(
             generators[rank] if len(generators) == world else None, queues[rank] if len(queues) == world else None
         )

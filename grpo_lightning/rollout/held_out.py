@@ -39,7 +39,7 @@ class HeldOutSampler:
     The k samples draw from a generator of their own, seeded by ``seed``, the rank and the batch's first row:
     evaluating (even in the middle of ``fit``) neither changes nor advances the training run's random stream,
     and is reproducible whatever the order in which batches are fetched. ``engine()`` returns the engine on the
-    policy's current weights (``RolloutCollector.evaluation_engine``, ``EngineHandle.current``).
+    policy's current weights (``RolloutCollector.evaluation_engine``, ``integrations/sft.py: EngineHandle.current``).
     """
 
     def __init__(

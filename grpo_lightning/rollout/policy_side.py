@@ -15,7 +15,6 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from grpo_lightning.engines import RolloutEngine, build_engine
 from grpo_lightning.modality import Modality
 from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.update_plan import UpdatePlan
@@ -72,25 +71,3 @@ class PolicySide(Protocol):
         which the module logs once, with the round's first micro-batch trained. Called by ``RolloutCollector.collect``
         only (held-out evaluation, which ``SFTModule`` takes part in, never calls it)."""
         ...
-
-
-class EngineHandle:
-    """The engine of ``data.engine`` for evaluation alone (``SFTDataModule``; a GRPO run's belongs to its
-    ``RolloutCollector``), set up on the module's policy at first use (and again if the module builds a new
-    policy, e.g. a second ``fit`` in the same process)."""
-
-    def __init__(self, spec: str | RolloutEngine) -> None:
-        self.engine = build_engine(spec)  # an unknown name is refused now, before any model loads
-
-    def get(self, module: PolicySide) -> RolloutEngine:
-        """The engine, sampling from ``module.policy``."""
-        if self.engine.policy is not module.policy:
-            self.engine.setup(module.policy, module.tokenizer, module.modality)
-        return self.engine
-
-    def current(self, module: PolicySide) -> RolloutEngine:
-        """The engine on ``module``'s current weights (pushed first if it holds a stale copy)."""
-        engine = self.get(module)
-        if not engine.is_current(module.global_step):
-            engine.load_weights(module.policy, module.global_step)
-        return engine

@@ -59,7 +59,8 @@ class RoundSettings:
     rollout_lag: int = 0
     """L: the rollout trained on was sampled by the policy of L rounds before (``rollout/schedule.py``)."""
     pack_tokens: int | str | None = "auto"
-    """``data.pack_tokens``: how the log-prob passes over this rollout pack its sequences (``models/packing.py``)."""
+    """``data.update.pack_tokens``: how the log-prob passes over this rollout pack its sequences
+    (``models/packing.py``)."""
     correction: Literal["decoupled", "behaviour", "none"] = "decoupled"
     """At a lag: ``decoupled`` (ratio to π_prox, the policy at the update's start, times the behaviour weight
     π_prox / μ, truncated or masked), ``behaviour`` (ratio to μ directly) or ``none`` (ratio to π_prox only)."""
@@ -198,7 +199,7 @@ def finish_round(
     where ranks must agree). ``teacher``: the teacher's log-probs ``[N, T]`` of a rollout's completion tokens.
 
     ``all_gather`` collects every rank's rewards for ``scale: batch``; ``per_rank`` collects a small value of every
-    rank, in rank order (``strategies.gather_per_rank``), to agree on the environment's metric and reward names.
+    rank, in rank order (``collectives.gather_per_rank``), to agree on the environment's metric and reward names.
     Both are collectives, None in a single process.
     """
     batch, timings = sampled.batch, dict(sampled.timings)
@@ -223,7 +224,7 @@ def finish_round(
     if record_old and from_engine and sampler_old is None:
         if settings.old_logprobs == "sampler":
             raise ConfigError(
-                "data.old_logprobs: sampler, but the engine returned no log-probs of the policy (only those of "
+                "data.update.old_logprobs: sampler, but the engine returned no log-probs of the policy (only those of "
                 "its filtered sampling distribution); use auto or recompute"
             )
         from_engine = False  # auto: recomputed

@@ -1,4 +1,5 @@
-"""``RolloutSchedule``: asynchronous rollouts at a fixed lag, deterministic by construction (``data.rollout_lag``).
+"""``RolloutSchedule``: asynchronous rollouts at a fixed lag, deterministic by construction
+(``data.schedule.rollout_lag``).
 
 At lag L the rollout trained on in round k was sampled by the policy as it was after round k − L (after none,
 for the first L rounds): its weights *version* is max(0, k − L), fixed by the schedule and never by timing. While

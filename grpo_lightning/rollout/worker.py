@@ -1,4 +1,5 @@
-"""The background rollout process of ``data.rollout_lag`` > 0: it samples and scores rounds while the trainer updates.
+"""The background rollout process of ``data.schedule.rollout_lag`` > 0: it samples and scores rounds while the trainer
+updates.
 
 One process per rank, spawned, so that it has its own global RNGs, its own main thread (where the SIGALRM time
 limits of rewards and tools work) and its own torch thread count. It holds
@@ -105,8 +106,8 @@ class RolloutWorker:
             self.process.start()
         except Exception as err:  # the spec did not pickle: a lambda reward, an engine holding a live handle, ...
             raise ConfigError(
-                f"data.rollout_lag: the rollout settings cannot be sent to the background process ({err}); reward "
-                "functions, tools and engines must be importable objects (no lambdas)"
+                f"data.schedule.rollout_lag: the rollout settings cannot be sent to the background process ({err}); "
+                "reward functions, tools and engines must be importable objects (no lambdas)"
             ) from None
         self._receive("ready", max(timeout_s, self.START_TIMEOUT_S))
 
@@ -150,8 +151,8 @@ class RolloutWorker:
                     ) from None
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"the rollout worker gave no result in {timeout_s:g} s (data.rollout_timeout_s): it is "
-                        "stuck or too slow"
+                        f"the rollout worker gave no result in {timeout_s:g} s (data.schedule.rollout_timeout_s): it "
+                        "is stuck or too slow"
                     ) from None
                 continue
             if kind == "error":

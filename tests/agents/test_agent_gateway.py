@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.advantages import group_advantages
 from grpo_lightning.cli import TRAINER_DEFAULTS
-from grpo_lightning.config import AdvantageConfig, ConfigError
+from grpo_lightning.config import AdvantageConfig, ConfigError, UpdateConfig
 from grpo_lightning.engines import LeanEngine, SamplingParams
 from grpo_lightning.integrations.agents import AgentEnvironment
 from grpo_lightning.integrations.agents.calls import AgentRow, Call, merge_calls
@@ -307,7 +307,7 @@ def test_rounds_through_the_trainer(tmp_path):
         environment=AgentEnvironment(agent=calculator_agent, max_concurrency=4),
         sampling=SamplingConfig(group_size=4, max_new_tokens=48),
         prompts_per_round=2,
-        mini_batch_size=4,  # two optimizer steps per round: π_old is recorded (the lean engine's)
+        update=UpdateConfig(mini_batch_size=4),  # two optimizer steps per round: π_old is recorded (the lean engine's)
         val_split=None,
     )
     recorder = Recorder()

@@ -27,6 +27,7 @@ from vllm_servers import BLOCK_SIZE  # noqa: E402
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig  # noqa: E402
 from grpo_lightning.callbacks.policy_sync import OldPolicySync  # noqa: E402
 from grpo_lightning.cli import TRAINER_DEFAULTS  # noqa: E402
+from grpo_lightning.config import UpdateConfig
 from grpo_lightning.integrations.agents import AgentEnvironment  # noqa: E402
 from grpo_lightning.integrations.vllm.engine import VLLMEngine  # noqa: E402
 from grpo_lightning.models.logprobs import completion_logprobs  # noqa: E402
@@ -121,7 +122,9 @@ def test_two_rounds_through_the_trainer_with_vllm(tmp_path):
         environment=AgentEnvironment(agent=token_agent),
         sampling=SamplingConfig(group_size=2, max_new_tokens=12),
         prompts_per_round=2,
-        mini_batch_size=2,  # two optimizer steps per round: π_old recomputed, π_old / μ weighs the loss
+        update=UpdateConfig(
+            mini_batch_size=2
+        ),  # two optimizer steps per round: π_old recomputed, π_old / μ weighs the loss
         val_split=None,
     )
     recorder = Recorder()

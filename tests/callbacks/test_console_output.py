@@ -49,7 +49,7 @@ def terminal(tmp_path, monkeypatch):
 def test_the_quickstart_on_a_terminal_says_round_and_ends_with_a_summary_whose_commands_work(terminal, capsys):
     config = str(ROOT / "configs" / "quickstart.yaml")
     model = ["--model.model_name_or_path", str(ROOT / "grpo_lightning" / "assets" / "tiny-arith")]
-    short = ["--trainer.max_epochs", "2", "--trainer.check_val_every_n_epoch", "2", "--data.val_limit", "20"]
+    short = ["--trainer.max_epochs", "2", "--trainer.check_val_every_n_epoch", "2", "--data.eval.limit", "20"]
     main(["fit", "--config", config, *model, *short, "--trainer.enable_progress_bar", "true"])
     captured = capsys.readouterr()
     out = screen(captured.out)
@@ -86,7 +86,7 @@ def test_an_sft_fit_ends_with_its_summary_too(terminal, capsys):
                                                   for a in range(16)))  # fmt: skip
     trainer = {"accelerator": "cpu", "max_epochs": 1, "logger": False, "enable_progress_bar": False}
     data = {"dataset": "pairs.jsonl", "batch_size": 4, "max_length": 32, "sampling": {"max_new_tokens": 4}}
-    data.update(val_dataset="arithmetic", val_limit=8, task_kwargs={"test_size": 50})
+    data.update(val_dataset="arithmetic", eval={"limit": 8}, task_kwargs={"test_size": 50})
     config = {
         "trainer": {**trainer, "enable_model_summary": False, "default_root_dir": "sft"},
         "model": {"tiny_model": TINY_CONFIG["model"]["tiny_model"], "lr": 1e-3},

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RewardSpec, RolloutDataModule, SamplingConfig
 from grpo_lightning.cli import GRPOCLI
+from grpo_lightning.config import EvalConfig
 from grpo_lightning.config_checks import check_checkpoint_hparams
 from grpo_lightning.rewards import register
 
@@ -40,7 +41,7 @@ def fit_one_round(module: GRPOModule, tmp_path: Path, **trainer_settings) -> Pat
         rewards=[RewardSpec("test_export_length")],
         sampling=SamplingConfig(group_size=4, max_new_tokens=4, temperature=0.7),
         prompts_per_round=4,
-        val_limit=4,
+        eval=EvalConfig(limit=4),
         task_kwargs={"test_size": 50},
     )
     trainer = quiet_trainer(tmp_path, max_epochs=1, **trainer_settings)
@@ -125,7 +126,7 @@ def test_checkpoint_of_the_command_line_exports_without_a_changed_settings_warni
     model = ROOT / "grpo_lightning" / "assets" / "tiny-arith"
     args = ["fit", "--config", str(quickstart), "--model.model_name_or_path", str(model), "--trainer.max_epochs", "1"]
     args += ["--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", "run"]
-    cli = GRPOCLI(args=[*args, "--data.prompts_per_round", "2", "--data.mini_batch_size", "16"])
+    cli = GRPOCLI(args=[*args, "--data.prompts_per_round", "2", "--data.update.mini_batch_size", "16"])
     ckpt = cli.trainer.checkpoint_callback.last_model_path
     with caplog.at_level(logging.WARNING):
         load_tool("export_hf").main([str(ckpt), str(tmp_path / "exported")])

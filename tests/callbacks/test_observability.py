@@ -60,9 +60,8 @@ def run_config(root: Path) -> dict:
         },
         "data": {
             "sampling": {"group_size": GROUP, "max_new_tokens": 4},
-            "eval": {"num_samples": K, "pass_k": [1, 2, K]},
+            "eval": {"num_samples": K, "pass_k": [1, 2, K], "limit": 8},
             "prompts_per_round": PROMPTS,
-            "val_limit": 8,
             "task_kwargs": {"test_size": 50},
         },
     }
@@ -208,9 +207,7 @@ def test_k_sample_evaluation_matches_a_recomputation(tmp_path):
     data = RolloutDataModule(
         rewards=[RewardSpec("test_even_length")],
         sampling=SamplingConfig(group_size=2, max_new_tokens=6),
-        eval=EvalConfig(num_samples=6, pass_k=[1, 3, 6]),
-        val_limit=8,
-        val_batch_size=8,
+        eval=EvalConfig(num_samples=6, pass_k=[1, 3, 6], limit=8, batch_size=8),
         task_kwargs={"test_size": 50},
     )
     trainer = Trainer(**TRAINER_DEFAULTS, accelerator="cpu", logger=False, enable_progress_bar=False)

@@ -42,7 +42,7 @@ BASE = {
     "data": {
         "sampling": {"group_size": 4, "max_new_tokens": 4},
         "prompts_per_round": 4,
-        "val_limit": 8,
+        "eval": {"limit": 8},
         "task_kwargs": {"max_operand": 20, "test_size": 50},
     },
 }
@@ -154,7 +154,7 @@ CATALOGUE = {
     "group_size_1": (setting("data.sampling.group_size", 1), "data.sampling.group_size"),
     "temperature_0": (setting("data.sampling.temperature", 0.0), "data.sampling.temperature"),
     "prompts_per_round_0": (setting("data.prompts_per_round", 0), "data.prompts_per_round"),
-    "num_iterations_0": (setting("data.num_iterations", 0), "data.num_iterations must be >= 1"),
+    "num_iterations_0": (setting("data.update.num_iterations", 0), "data.update.num_iterations must be >= 1"),
     "unknown_engine": (setting("data.engine", "bogus"), "data.engine: unknown engine 'bogus'"),
     "unknown_tool": (
         setting(
@@ -180,10 +180,11 @@ CATALOGUE = {
     "max_nonfinite_skips_0": (setting("model.max_nonfinite_skips", 0), "model.max_nonfinite_skips"),
     "every_n_rounds_0": (setting("trainer.callbacks", ROUND_CHECKPOINT), "every_n_rounds"),
     "reload_every_2_epochs": (setting("trainer.reload_dataloaders_every_n_epochs", 2), "reload_dataloaders"),
-    "mini_batch_not_dividing": (setting("data.mini_batch_size", 6), "data.mini_batch_size (6)"),
+    "mini_batch_not_dividing": (setting("data.update.mini_batch_size", 6), "data.update.mini_batch_size (6)"),
     "micro_batches_vs_accumulation": (
-        both(setting("data.micro_batch_size", 8), setting("trainer.accumulate_grad_batches", 3)),
-        "trainer.accumulate_grad_batches = 3 contradicts data.mini_batch_size / data.micro_batch_size = 2",
+        both(setting("data.update.micro_batch_size", 8), setting("trainer.accumulate_grad_batches", 3)),
+        "trainer.accumulate_grad_batches = 3 contradicts data.update.mini_batch_size / "
+        "data.update.micro_batch_size = 2",
     ),
     "context_too_short": (setting("model.tiny_model.max_position_embeddings", 8), "max_new_tokens=4"),
     "no_such_data_file": (setting("data.dataset", "missing.jsonl"), "no such file 'missing.jsonl'"),
@@ -192,7 +193,7 @@ CATALOGUE = {
     "no_prompt_column": (files([{"question": "1+1=", "answer": "2"}]), "no prompt column 'prompt'"),
     "no_answer_column": (files([{"prompt": "1+1="}]), "needs the column 'answer'"),
     "empty_prompt_row": (files([{"prompt": "1+1=", "answer": "2"}, {"prompt": " ", "answer": "0"}]), "row 1"),
-    "empty_validation_data": (setting("data.val_limit", 0), "validation data"),
+    "empty_validation_data": (setting("data.eval.limit", 0), "validation data"),
     "unknown_loss_type": (setting("model.objective.loss_type", "bogus"), "model.objective: unknown loss_type 'bogus'"),
     "loss_with_a_wrong_signature": (
         setting("model.objective.loss_type", "bad_loss:two_positionals"),
@@ -226,9 +227,9 @@ CATALOGUE = {
     "negative_warmup": (setting("model.warmup_steps", -1), "model.warmup_steps must be >= 0"),
     "logprob_batch_size_0": (setting("model.logprob_batch_size", 0), "model.logprob_batch_size must be >= 1"),
     "reward_timeout_0": (setting("data.reward_timeout_s", 0), "data.reward_timeout_s must be > 0"),
-    "negative_mini_batch": (setting("data.mini_batch_size", -4), "data.mini_batch_size must be >= 1"),
-    "micro_batch_0": (setting("data.micro_batch_size", 0), "data.micro_batch_size must be >= 1"),
-    "val_batch_size_0": (setting("data.val_batch_size", 0), "data.val_batch_size must be >= 1"),
+    "negative_mini_batch": (setting("data.update.mini_batch_size", -4), "data.update.mini_batch_size must be >= 1"),
+    "micro_batch_0": (setting("data.update.micro_batch_size", 0), "data.update.micro_batch_size must be >= 1"),
+    "val_batch_size_0": (setting("data.eval.batch_size", 0), "data.eval.batch_size must be >= 1"),
     "accumulate_0": (setting("trainer.accumulate_grad_batches", 0), "trainer.accumulate_grad_batches must be >= 1"),
     "negative_gradient_clip": (setting("trainer.gradient_clip_val", -1.0), "trainer.gradient_clip_val must be >= 0"),
     "validate_every_0_epochs": (setting("trainer.check_val_every_n_epoch", 0), "trainer.check_val_every_n_epoch"),

@@ -33,7 +33,7 @@ TINY_CONFIG = {
     "data": {
         "sampling": {"group_size": 4, "max_new_tokens": 4},
         "prompts_per_round": 4,
-        "val_limit": 16,
+        "eval": {"limit": 16},
         "task_kwargs": {"test_size": 50},
     },
 }

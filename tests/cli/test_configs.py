@@ -50,7 +50,7 @@ SHIPPED = sorted(
 ONE_ROUND = ["--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.max_epochs", "1"]
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 # A round of 2 prompts × G = 8 completions, one optimizer step.
-SMALL_ROUND = ["--data.prompts_per_round", "2", "--data.mini_batch_size", "16"]
+SMALL_ROUND = ["--data.prompts_per_round", "2", "--data.update.mini_batch_size", "16"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -117,7 +117,7 @@ def gsm8k_with(*configs: str):
         data = {"data_files": str(GSM8K_SAMPLE), "test_size": 2}
         args = ["--config", str(CONFIGS / "gsm8k_qwen2.5-0.5b.yaml"), *composed]
         args += ["--model.model_name_or_path", tiny_qwen2(work / "tiny-qwen2"), "--data.sampling.max_new_tokens", "4"]
-        args += ["--data.task_kwargs", json.dumps(data), *SMALL_ROUND, "--data.micro_batch_size", "4"]
+        args += ["--data.task_kwargs", json.dumps(data), *SMALL_ROUND, "--data.update.micro_batch_size", "4"]
         if configs:
             args += ["--trainer.logger", "false"]
         return GRPOCLI, args
@@ -165,7 +165,13 @@ def distillation(work: Path) -> tuple[type, list[str]]:
     run, exported: ``runs/teacher/hf``) stood in by the quickstart's model."""
     earlier_stage_model(work / "runs" / "teacher" / "hf")
     args = ["--config", str(CONFIGS / "distillation.yaml"), "--model.model_name_or_path", str(TINY_ARITH)]
-    return GRPOCLI, [*args, "--data.prompts_per_round", "8", "--data.mini_batch_size", "16"]  # its 2 samples a prompt
+    return GRPOCLI, [
+        *args,
+        "--data.prompts_per_round",
+        "8",
+        "--data.update.mini_batch_size",
+        "16",
+    ]  # its 2 samples a prompt
 
 
 def tools_calculator(work: Path) -> tuple[type, list[str]]:
@@ -211,11 +217,18 @@ def geometry3k_recipe(work: Path) -> tuple[type, list[str]]:
     args = ["--config", str(CONFIGS / "recipes" / "qwen2.5-vl-3b_geometry3k.yaml"), "--trainer.logger", "false"]
     args += ["--model.model_name_or_path", str(build_tiny_vlm("qwen2_vl", work / "tiny-qwen2-vl"))]
     args += ["--data.task_kwargs", settings, "--data.sampling.max_new_tokens", "4", "--data.prompts_per_round", "2"]
-    args += ["--data.mini_batch_size", "10", "--data.micro_batch_size", "5", "--trainer.accumulate_grad_batches", "2"]
+    args += [
+        "--data.update.mini_batch_size",
+        "10",
+        "--data.update.micro_batch_size",
+        "5",
+        "--trainer.accumulate_grad_batches",
+        "2",
+    ]
     return GRPOCLI, args
 
 
-SFT_SMALL = ["--data.val_limit", "8"]
+SFT_SMALL = ["--data.eval.limit", "8"]
 _SERVERS: dict = {}
 
 

@@ -40,6 +40,28 @@ OLD_VALUES = {
     "model.objective.advantage_scale": "none",
     "model.objective.advantage_std": "sample",
     "model.objective.advantage_eps": 0.001,
+    # data's settings grouped (issue 51): keys that moved twice agree with their first spelling's value above.
+    "data.num_iterations": 2,
+    "data.mini_batch_size": 8,
+    "data.micro_batch_size": 4,
+    "data.balance_micro_batches": False,
+    "data.pack_tokens": None,
+    "data.old_logprobs": "recompute",
+    "data.mask_truncated_completions": True,
+    "data.rollout_lag": 1,
+    "data.off_policy_correction": "behaviour",
+    "data.rollout_threads": 1,
+    "data.rollout_timeout_s": 60.0,
+    "data.dynamic_sampling": True,
+    "data.max_sampling_rounds": 2,
+    "data.val_batch_size": 16,
+    "data.val_limit": 8,
+}
+# Keys that moved twice land at their last place in one step (not at the first move's, which is gone too).
+MOVED_TWICE = {
+    "model.objective.num_iterations": "data.update.num_iterations",
+    "model.objective.old_logprobs": "data.update.old_logprobs",
+    "model.objective.mask_truncated_completions": "data.update.mask_truncated_completions",
 }
 
 
@@ -92,7 +114,8 @@ def test_the_old_quickstart_and_dapo_recipe_describe_todays_runs_with_a_line_per
     new = printed(capsys, "--config", "configs/quickstart.yaml", "--config", "configs/recipes/dapo.yaml")
     assert old == new
     moved = ["model.sampling", "model.rewards", "model.objective.advantage_baseline",
-             "model.objective.advantage_scale", "model.objective.mask_truncated_completions"]  # fmt: skip
+             "model.objective.advantage_scale", "model.objective.mask_truncated_completions",
+             "data.mini_batch_size", "data.val_limit", "data.dynamic_sampling", "data.max_sampling_rounds"]  # fmt: skip
     assert sorted(lines) == sorted(
         f"deprecated: {key} is now {RENAMED[key]}; the old key is read until grpo_lightning "
         f"{renamed_keys.REMOVED_IN}, rename it"
@@ -240,3 +263,54 @@ def test_migrate_reads_class_path_forms_and_a_config_for_the_whole_command_line(
 def test_an_old_key_that_cannot_be_moved_is_refused_rather_than_dropped():
     with pytest.raises(renamed_keys.ConfigError, match=r"^model.seed is deprecated .* set data.seed instead$"):
         migrate({"model": {"seed": 3}, "data": "data.yaml"})
+
+
+def test_a_key_that_moved_twice_lands_at_its_last_place_in_one_step():
+    for old, new in MOVED_TWICE.items():
+        assert RENAMED[old] == new and new not in RENAMED  # no chain to follow
+    document = migrate({"model": {"objective": {"num_iterations": 3}}, "data": {"rollout_lag": 1}})
+    assert document == {
+        "model": {"objective": {}},
+        "data": {"update": {"num_iterations": 3}, "schedule": {"rollout_lag": 1}},
+    }
+    # A document with only data's old keys is moved too (nothing under model).
+    assert migrate({"data": {"val_limit": 8, "eval": {"num_samples": 2}}}) == {
+        "data": {"eval": {"num_samples": 2, "limit": 8}}
+    }
+
+
+@pytest.mark.parametrize(
+    "old,value,new,other",
+    [
+        ("data.mini_batch_size", "8", "data.update.mini_batch_size", "16"),
+        ("data.rollout_lag", "1", "data.schedule.rollout_lag", "2"),
+        ("data.dynamic_sampling", "true", "data.sampling.dynamic_sampling", "false"),
+        ("data.val_limit", "8", "data.eval.limit", "4"),
+    ],
+)
+def test_a_grouped_key_set_at_both_places_differently_is_refused_in_one_line(
+    capsys, monkeypatch, old, value, new, other
+):
+    monkeypatch.chdir(ROOT)
+    assert refused(capsys, f"--{old}", value, f"--{new}", other) == (
+        f"error: {old} (deprecated, now {new}) and {new} are both set, differently: keep only {new}"
+    )
+
+
+def test_a_grouped_key_in_a_file_warns_once_and_lands_in_its_group(capsys, caplog, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump({"data": {"mini_batch_size": 16, "rollout_lag": 1, "val_batch_size": 4}}))
+    got = printed(capsys, "--config", "configs/quickstart.yaml", "--config", str(old))
+    data = got["data"]
+    assert (data["update"]["mini_batch_size"], data["schedule"]["rollout_lag"], data["eval"]["batch_size"]) == (
+        16,
+        1,
+        4,
+    )
+    assert data["eval"]["limit"] == 500  # the quickstart's data.eval.limit, kept beside the moved key
+    assert sorted(warnings_of(caplog)) == sorted(
+        f"deprecated: {key} is now {RENAMED[key]}; the old key is read until grpo_lightning {renamed_keys.REMOVED_IN}, "
+        "rename it"
+        for key in ("data.mini_batch_size", "data.rollout_lag", "data.val_batch_size")
+    )

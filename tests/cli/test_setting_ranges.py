@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from grpo_lightning.config import ConfigError
+from grpo_lightning.config import ConfigError, ScheduleConfig, UpdateConfig
 from grpo_lightning.config_checks import SETTING_RANGES, check_ranges, check_setting_ranges
 
 # One value each range refuses and one it accepts (edges included).
@@ -18,16 +18,16 @@ RANGE_CASES = {
     "model.warmup_steps": (-1, 0),
     "model.logprob_batch_size": (0, 1),
     "data.reward_timeout_s": (0.0, None),
-    "data.num_iterations": (0, 1),
+    "data.update.num_iterations": (0, 1),
     "data.prompts_per_round": (0, 1),
-    "data.max_sampling_rounds": (0, 1),
-    "data.mini_batch_size": (0, None),
-    "data.micro_batch_size": (-2, 1),
-    "data.val_batch_size": (0, 1),
-    "data.val_limit": (-1, 0),
-    "data.rollout_lag": (-1, 0),
-    "data.rollout_threads": (0, None),
-    "data.rollout_timeout_s": (0, 0.5),
+    "data.sampling.max_sampling_rounds": (0, 1),
+    "data.update.mini_batch_size": (0, None),
+    "data.update.micro_batch_size": (-2, 1),
+    "data.eval.batch_size": (0, 1),
+    "data.eval.limit": (-1, 0),
+    "data.schedule.rollout_lag": (-1, 0),
+    "data.schedule.rollout_threads": (0, None),
+    "data.schedule.rollout_timeout_s": (0, 0.5),
     "trainer.accumulate_grad_batches": (0, 1),
     "trainer.gradient_clip_val": (-0.5, 0.0),
     "trainer.check_val_every_n_epoch": (0, None),
@@ -35,11 +35,27 @@ RANGE_CASES = {
 }
 
 
+def nested(path: str, value) -> dict:
+    """``{"update": {"mini_batch_size": value}}`` for ``update.mini_batch_size``: a group's setting inside it."""
+    *groups, key = path.split(".")
+    out = {key: value}
+    for group in reversed(groups):
+        out = {group: out}
+    return out
+
+
 @pytest.mark.parametrize("name", sorted(SETTING_RANGES))
 def test_each_numeric_range_refuses_a_value_outside_it_and_accepts_its_edge(name):
     section, _, key = name.partition(".")
     bad, good = RANGE_CASES[name]
     with pytest.raises(ConfigError, match=rf"^{re.escape(name)} must be .* \(got {re.escape(repr(bad))}\)$"):
-        check_setting_ranges({section: {key: bad}})
-    check_setting_ranges({section: {key: good}})
+        check_setting_ranges({section: nested(key, bad)})
+    check_setting_ranges({section: nested(key, good)})
     check_ranges(section, {"some_other_setting": bad})  # only the settings of the table are checked
+
+
+def test_a_groups_ranges_are_checked_on_its_settings_object_too():
+    """The DataModule checks its arguments, the groups given as settings objects (``check_ranges("data", ...)``)."""
+    with pytest.raises(ConfigError, match=r"^data.update.num_iterations must be >= 1 \(got 0\)$"):
+        check_ranges("data", {"update": UpdateConfig(num_iterations=0)})
+    check_ranges("data", {"update": None, "schedule": ScheduleConfig()})  # a group left unset: its defaults

@@ -3,7 +3,7 @@
 - A config without a checkpoint callback still leaves ``last.ckpt`` (and ``--ckpt_path last`` resumes it exactly);
   ``trainer.enable_checkpointing: false`` is respected.
 - Output sent to a file gets one plain line per round (``RoundLog``), no progress bar.
-- ``trainer.accumulate_grad_batches`` follows from ``data.mini_batch_size / data.micro_batch_size``.
+- ``trainer.accumulate_grad_batches`` follows from ``data.update.mini_batch_size / data.update.micro_batch_size``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from grpo_lightning import GRPOModule, RolloutDataModule, SamplingConfig
 from grpo_lightning.callbacks import RoundCheckpoint, RoundLog
 from grpo_lightning.callbacks.checkpointing import default_checkpoint
 from grpo_lightning.cli import GRPOCLI, main
-from grpo_lightning.config import ConfigError
+from grpo_lightning.config import ConfigError, UpdateConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUND_LINE = re.compile(
@@ -123,15 +123,24 @@ def test_gradient_accumulation_follows_from_mini_and_micro_batch_sizes(tmp_path)
             sampling=SamplingConfig(group_size=4, max_new_tokens=4), prompts_per_round=4, val_split=None, **kwargs
         )
 
-    args = ["--data.mini_batch_size", "8", "--data.micro_batch_size", "2", "--trainer.max_epochs", "1"]
+    args = ["--data.update.mini_batch_size", "8", "--data.update.micro_batch_size", "2", "--trainer.max_epochs", "1"]
     cli = GRPOCLI(args=["--config", str(write_config(tmp_path / "c.yaml", TINY_CONFIG)), *args], run=False)
     assert cli.trainer.accumulate_grad_batches == 4  # the CLI derives it from the batch sizes
     unset = quiet_trainer(tmp_path, max_epochs=1)  # a Trainer built in Python is told, the data side sets nothing
     with pytest.raises(ConfigError, match=r"^trainer.accumulate_grad_batches = 1, but .* = 4 micro-batches"):
-        unset.fit(GRPOModule(tiny_model=TINY, lr=1e-3), datamodule=data(mini_batch_size=8, micro_batch_size=2))
+        unset.fit(
+            GRPOModule(tiny_model=TINY, lr=1e-3),
+            datamodule=data(update=UpdateConfig(mini_batch_size=8, micro_batch_size=2)),
+        )
     agreeing = quiet_trainer(tmp_path, max_epochs=1, accumulate_grad_batches=4)
-    agreeing.fit(GRPOModule(tiny_model=TINY, lr=1e-3), datamodule=data(mini_batch_size=8, micro_batch_size=2))
+    agreeing.fit(
+        GRPOModule(tiny_model=TINY, lr=1e-3),
+        datamodule=data(update=UpdateConfig(mini_batch_size=8, micro_batch_size=2)),
+    )
     assert agreeing.global_step == 2  # 16 completions, 2 optimizer steps of 4 micro-batches
     contradicting = quiet_trainer(tmp_path, max_epochs=1, accumulate_grad_batches=3)
     with pytest.raises(ConfigError, match=r"^trainer.accumulate_grad_batches = 3 contradicts .* = 4: leave it unset"):
-        contradicting.fit(GRPOModule(tiny_model=TINY, lr=1e-3), datamodule=data(mini_batch_size=8, micro_batch_size=2))
+        contradicting.fit(
+            GRPOModule(tiny_model=TINY, lr=1e-3),
+            datamodule=data(update=UpdateConfig(mini_batch_size=8, micro_batch_size=2)),
+        )

@@ -17,7 +17,7 @@ from conftest import TINY, quiet_trainer
 from helpers import attach, length_reward
 
 from grpo_lightning import GRPOModule, RolloutDataModule, SamplingConfig
-from grpo_lightning.config import ConfigError
+from grpo_lightning.config import ConfigError, ScheduleConfig, UpdateConfig
 from grpo_lightning.config_checks import check_weights_can_leave
 from grpo_lightning.engines import LeanEngine
 from grpo_lightning.rewards import RewardSpec, register
@@ -45,8 +45,7 @@ def round_with(tmp_path, engine, old_logprobs="auto", **filters):
         engine=engine,
         rewards=[RewardSpec("test_filtered_length")],
         sampling=SamplingConfig(group_size=4, max_new_tokens=6, temperature=0.7, **filters),
-        num_iterations=2,
-        old_logprobs=old_logprobs,
+        update=UpdateConfig(num_iterations=2, old_logprobs=old_logprobs),
         prompts_per_round=2,
     )
     attach(module, data, quiet_trainer(tmp_path))
@@ -86,7 +85,9 @@ def test_an_engine_without_policy_logprobs_is_recomputed_under_filters_and_refus
     assert asked == [True]  # recomputed
     recomputed, _ = module.rollout_logprobs(batch, old=True, ref=False)
     torch.testing.assert_close(batch.old_logprobs, recomputed, atol=1e-6, rtol=1e-6)
-    with pytest.raises(ConfigError, match="data.old_logprobs: sampler, but the engine returned no log-probs of the"):
+    with pytest.raises(
+        ConfigError, match="data.update.old_logprobs: sampler, but the engine returned no log-probs of the"
+    ):
         round_with(tmp_path, FilteredOnly(), "sampler", **filters)
 
 
@@ -126,13 +127,15 @@ class ZeRO3(SimpleNamespace):
 
 @pytest.mark.parametrize(
     ("engine", "lag", "refused"),
-    [("vllm_server", 0, "data.engine vllm_server holds its own copy"), ("lean", 1, "data.rollout_lag > 0")],
+    [("vllm_server", 0, "data.engine vllm_server holds its own copy"), ("lean", 1, "data.schedule.rollout_lag > 0")],
 )
 def test_deepspeed_zero3_weights_are_refused_where_they_must_leave_the_trainer(engine, lag, refused):
     """ZeRO-3 partitions every weight: an engine with its own copy, or a background process at a lag, would be sent
     empty placeholders. Refused when the data is set up (before any model is built); the built-in engine at lag 0,
     which samples from the trainer's own (gathered) weights, is not."""
-    data = RolloutDataModule(engine=engine, rollout_lag=lag, val_split=None, task_kwargs={"test_size": 20})
+    data = RolloutDataModule(
+        engine=engine, schedule=ScheduleConfig(rollout_lag=lag), val_split=None, task_kwargs={"test_size": 20}
+    )
     data.trainer = SimpleNamespace(strategy=ZeRO3(), accumulate_grad_batches=1, lightning_module=None)
     message = rf"^trainer.strategy: DeepSpeed ZeRO-3 partitions the weights, and {refused}"
     with pytest.raises(ConfigError, match=message):

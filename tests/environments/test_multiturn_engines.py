@@ -20,6 +20,7 @@ from grpo_lightning.callbacks.checkpointing import RoundCheckpoint
 from grpo_lightning.callbacks.completions import completion_rows
 from grpo_lightning.checkpoint_io import AtomicCheckpointIO
 from grpo_lightning.cli import TRAINER_DEFAULTS
+from grpo_lightning.config import UpdateConfig
 from grpo_lightning.engines import LeanEngine, TransformersEngine
 from grpo_lightning.integrations.environments import ToolEnvironment
 from grpo_lightning.integrations.environments.multiturn import generate_trajectories
@@ -143,7 +144,7 @@ def fit(dirpath, epochs, ckpt_path=None, **data_kwargs):
         environment=ToolEnvironment(tools=["calculator"], format="tag", max_turns=3, max_turn_tokens=40),
         sampling=SamplingConfig(group_size=4, max_new_tokens=96),
         prompts_per_round=2,
-        mini_batch_size=4,  # two optimizer steps per round: π_old is recorded (from the engine)
+        update=UpdateConfig(mini_batch_size=4),  # two optimizer steps per round: π_old is recorded (from the engine)
         val_split=None,
         **data_kwargs,
     )

@@ -383,7 +383,8 @@ def test_a_server_the_run_starts_serves_rollouts_a_killed_one_is_one_line_and_cl
     server = env.backend.server
     process, log = server.process, server.log
     assert process.poll() is None and server.url.startswith("http://127.0.0.1:")
-    # Pickled into a background rollout process (data.rollout_lag): a fresh backend there, which starts its own.
+    # Pickled into a background rollout process (data.schedule.rollout_lag): a fresh backend there, which starts its
+    # own.
     copy = pickle.loads(pickle.dumps(env))
     assert copy.backend.server.process is None and copy.backend.server_argv == env.backend.server_argv
 

@@ -167,7 +167,7 @@ def test_the_prompt_is_what_init_returned_and_env_config_reaches_the_environment
     assert out.prompts == [system_first]  # what the rewards see as the trajectory's prompt
     assert tokenizer.decode(observations[0]) == "\n<|im_start|>user\n4 left<|im_end|>\n<|im_start|>assistant\n"
     assert out.env_rewards["skyrl_gym"] == [1.0]  # two turns of 0.5: max_turns ends it before the count does
-    # Pickled into a background rollout process (data.rollout_lag): the same settings there.
+    # Pickled into a background rollout process (data.schedule.rollout_lag): the same settings there.
     copy = pickle.loads(pickle.dumps(env))
     assert copy.configs["grpo_test_countdown"].greeting == "Say next." and copy.env_id == "grpo_test_countdown"
 

@@ -52,9 +52,7 @@ def worker(out: Path) -> None:
         module = GRPOModule(tiny_model=TINY)
         data = RolloutDataModule(
             sampling=SamplingConfig(group_size=2, max_new_tokens=4),
-            eval=EvalConfig(num_samples=2),
-            val_limit=limit,
-            val_batch_size=batch_size,
+            eval=EvalConfig(num_samples=2, limit=limit, batch_size=batch_size),
             task_kwargs={"test_size": 50},
         )
         batches = Batches()

@@ -69,7 +69,7 @@ BASE = {
         "sampling": {"group_size": 4, "max_new_tokens": 6},
         "rewards": [{"name": "test_registry_checksum"}],
         "prompts_per_round": 4,
-        "val_limit": 8,
+        "eval": {"limit": 8},
         "task_kwargs": {"max_operand": 20, "test_size": 50},
     },
 }

@@ -174,9 +174,8 @@ def test_one_sample_per_prompt_is_the_teacher_alone_and_is_refused_where_a_rewar
 
     def data(weight: float, dynamic_sampling: bool = False) -> RolloutDataModule:
         return RolloutDataModule(
-            dynamic_sampling=dynamic_sampling,
             rewards=[RewardSpec("exact_answer", weight=weight)],
-            sampling=SamplingConfig(group_size=1, max_new_tokens=4),
+            sampling=SamplingConfig(group_size=1, max_new_tokens=4, dynamic_sampling=dynamic_sampling),
             prompts_per_round=4,
             val_split=None,
         )
@@ -194,7 +193,7 @@ def test_one_sample_per_prompt_is_the_teacher_alone_and_is_refused_where_a_rewar
         SamplingConfig(group_size=0)
     dynamic = data(0.0, dynamic_sampling=True)
     with pytest.raises(
-        ConfigError, match=r"^data.dynamic_sampling drops every group .* with data.sampling.group_size 1"
+        ConfigError, match=r"^data.sampling.dynamic_sampling drops every group .* with data.sampling.group_size 1"
     ):
         teacher_module = GRPOModule(tiny_model=TINY, teacher=TeacherConfig(teacher_dir))
         quiet_trainer(tmp_path / "dynamic", max_epochs=1).fit(teacher_module, datamodule=dynamic)

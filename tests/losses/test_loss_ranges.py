@@ -28,7 +28,7 @@ BASE = {
     "seed_everything": 0,
     "trainer": {"accelerator": "cpu", "max_epochs": 1, "logger": False, "enable_checkpointing": False},
     "model": {"tiny_model": asdict(TINY)},
-    "data": {"sampling": {"group_size": 4, "max_new_tokens": 4}, "prompts_per_round": 4, "val_limit": 8},
+    "data": {"sampling": {"group_size": 4, "max_new_tokens": 4}, "prompts_per_round": 4, "eval": {"limit": 8}},
 }
 
 # setting -> (interval, a value outside it, the value at its edge inside it)

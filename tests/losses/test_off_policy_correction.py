@@ -1,4 +1,5 @@
-"""The correction for stale samples at a rollout lag (``data.off_policy_correction``, ``model.objective.tis_*``).
+"""The correction for stale samples at a rollout lag (``data.schedule.off_policy_correction``,
+``model.objective.tis_*``).
 
 Decoupled (AReaL; verl's and NeMo-RL's importance-sampling correction): the clipped ratio is to π_prox, the
 policy at the update's start, and each token's surrogate is weighted by π_prox / μ (μ = the stale sampler),

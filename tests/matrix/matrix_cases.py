@@ -11,7 +11,7 @@ The axes are read from where the package declares them, never listed by hand:
 - **modality**: text and every plug-in of ``modality.MODALITY_PLUGINS``;
 - **signal**: reward functions (some returning None), the kind's own reward (``data.rewards: []``), a reward model,
   a local teacher;
-- **lag**: ``data.rollout_lag`` 0 and 1.
+- **lag**: ``data.schedule.rollout_lag`` 0 and 1.
 
 Whether a case is supported is not decided here: the test runs it, and the package's own checks before training
 (``RolloutCollector.check_before_fit``, ``Modality.check_run``, the data module's) refuse it or not. The main suite

@@ -23,7 +23,7 @@ from helpers import save_tiny_reward_model
 from lightning import Callback
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
-from grpo_lightning.config import ConfigError
+from grpo_lightning.config import ConfigError, ScheduleConfig, UpdateConfig
 from grpo_lightning.distillation import TeacherConfig
 from grpo_lightning.engines import ENGINES, RolloutEngine, SamplingParams, build_engine
 from grpo_lightning.models.logprobs import completion_logprobs
@@ -230,13 +230,12 @@ def run_case(case: Any, models: Models, root: Path) -> Outcome:
         rewards=rewards,
         sampling=SamplingConfig(group_size=ROUND["group_size"], max_new_tokens=ROUND["max_new_tokens"]),
         prompts_per_round=ROUND["prompts_per_round"],
-        mini_batch_size=ROUND["prompts_per_round"],  # two optimizer steps: π_old is recorded
-        micro_batch_size=ROUND["prompts_per_round"],
-        # π_old is the engine's log-probs where the engine is the policy (lag 0): the rollout keeps what it sampled
-        # (at a lag, and with an engine of its own, the behaviour weight keeps them as engine_logprobs).
-        old_logprobs="sampler" if case.lag == 0 and engine.shares_weights else "auto",
-        rollout_lag=case.lag,
-        rollout_threads=1,
+        update=UpdateConfig(
+            mini_batch_size=ROUND["prompts_per_round"],
+            micro_batch_size=ROUND["prompts_per_round"],
+            old_logprobs="sampler" if case.lag == 0 and engine.shares_weights else "auto",
+        ),  # two optimizer steps: π_old is recorded
+        schedule=ScheduleConfig(rollout_lag=case.lag, rollout_threads=1),
     )
     start = StartWeights()
     trainer = quiet_trainer(root, max_epochs=1, callbacks=[start])

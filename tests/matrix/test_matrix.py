@@ -23,7 +23,7 @@ AXIS_NAMES = {
     "kind": lambda case: ("data.environment",),
     "modality": lambda case: (case.modality, "vision-language") if case.modality != "text" else (),
     "signal": lambda case: ("data.rewards", "model.teacher", "reward"),
-    "lag": lambda case: ("data.rollout_lag",),
+    "lag": lambda case: ("data.schedule.rollout_lag",),
 }
 
 

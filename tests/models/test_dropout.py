@@ -10,6 +10,7 @@ from lightning import Callback
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
+from grpo_lightning.config import EvalConfig, UpdateConfig
 from grpo_lightning.lora import LoraConfig
 from grpo_lightning.models.build import disable_dropout
 from grpo_lightning.rewards import RewardSpec, register
@@ -91,10 +92,9 @@ def test_lora_adapters_run_without_dropout_so_the_on_policy_ratio_is_one(tmp_pat
     data = RolloutDataModule(
         rewards=[RewardSpec("dropout_length")],
         sampling=SamplingConfig(group_size=4, max_new_tokens=6),
-        old_logprobs=old_logprobs,
+        update=UpdateConfig(old_logprobs=old_logprobs, mini_batch_size=8),
         prompts_per_round=4,
-        mini_batch_size=8,  # two steps a round: the first is on-policy and is taken against π_old's log-probs
-        val_limit=4,
+        eval=EvalConfig(limit=4),
         task_kwargs={"test_size": 50},
     )
     recorder = RatioRecorder()

@@ -10,7 +10,7 @@ from memory_probe import update_peak_bytes
 from transformers import AutoModelForCausalLM
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
-from grpo_lightning.config import ConfigError
+from grpo_lightning.config import ConfigError, EvalConfig
 from grpo_lightning.lora import LoraConfig
 from grpo_lightning.models.logprobs import completion_logprobs
 from grpo_lightning.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_llama
@@ -39,7 +39,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[GRPOModule, Rollo
         rewards=[RewardSpec("lora_checksum")],
         sampling=SamplingConfig(group_size=4, max_new_tokens=6),
         prompts_per_round=4,
-        val_limit=4,
+        eval=EvalConfig(limit=4),
         task_kwargs={"test_size": 50},
     )
     trainer = quiet_trainer(

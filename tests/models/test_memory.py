@@ -14,6 +14,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
+from grpo_lightning.config import EvalConfig, UpdateConfig
 from grpo_lightning.engines.lean import sample_completions
 from grpo_lightning.models.logprobs import completion_logprobs
 from grpo_lightning.models.tiny import build_char_tokenizer
@@ -121,10 +122,11 @@ def test_bf16_rounds_on_cpu(tmp_path, precision: str) -> None:
     data = RolloutDataModule(
         rewards=[RewardSpec("memory_checksum")],
         sampling=SamplingConfig(group_size=4, max_new_tokens=6),
-        num_iterations=2,  # with β > 0: old and reference log-probs at rollout time
+        update=UpdateConfig(
+            num_iterations=2, mini_batch_size=8
+        ),  # with β > 0: old and reference log-probs at rollout time
         prompts_per_round=2,
-        mini_batch_size=8,
-        val_limit=4,
+        eval=EvalConfig(limit=4),
         task_kwargs={"test_size": 50},
     )
     losses = Losses()

@@ -26,6 +26,7 @@ from helpers import (
 )
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
+from grpo_lightning.config import UpdateConfig
 from grpo_lightning.integrations.environments import ToolEnvironment
 from grpo_lightning.models.lean_forward import lean_unsupported, prompt_groups
 from grpo_lightning.models.logprobs import completion_logprobs
@@ -113,8 +114,10 @@ def test_auto_packs_uneven_completions_and_leaves_even_ones_padded():
 def test_a_pack_tokens_that_is_not_a_token_count_is_refused_in_one_line(value):
     from grpo_lightning.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"^data\.pack_tokens must be a number of tokens >= 1, auto or null") as err:
-        RolloutDataModule(pack_tokens=value)
+    with pytest.raises(
+        ConfigError, match=r"^data\.update\.pack_tokens must be a number of tokens >= 1, auto or null"
+    ) as err:
+        UpdateConfig(pack_tokens=value)
     assert "\n" not in str(err.value)
 
 
@@ -265,12 +268,14 @@ register("test_packing_checksum")(checksum_reward)
 
 def _round_update(tmp_path, case: str, pack_tokens, balance: bool) -> tuple[torch.Tensor, Any]:
     """The weight change of one round (μ = 2 passes, mini-batches of 8 in micro-batches of 4, π_old recomputed and
-    π_ref's KL) with ``data.pack_tokens = pack_tokens``, and the round's rollout."""
+    π_ref's KL) with ``data.update.pack_tokens = pack_tokens``, and the round's rollout."""
     torch.manual_seed(0)
     objective = ObjectiveConfig(beta=0.04, loss_type="dapo" if case == "outcome" else "grpo")
-    settings: dict[str, Any] = dict(
-        num_iterations=2, mini_batch_size=8, micro_batch_size=4, old_logprobs="recompute", val_split=None
-    )
+    update = UpdateConfig(num_iterations=2, mini_batch_size=8, micro_batch_size=4, old_logprobs="recompute")
+    update.pack_tokens, update.balance_micro_batches = pack_tokens, balance
+    if case == "outcome":
+        update.mask_truncated_completions = True
+    settings: dict[str, Any] = dict(update=update, val_split=None)
     if case == "multi-turn":  # the calculator demo's model: real tool calls, environment tokens out of the loss
         module = _SGDModule(model_name_or_path=str(ASSETS / "tiny-calc"), objective=objective, lr=1e-2)
         data = RolloutDataModule(
@@ -287,11 +292,9 @@ def _round_update(tmp_path, case: str, pack_tokens, balance: bool) -> tuple[torc
         data = RolloutDataModule(
             rewards=[RewardSpec(reward)],
             sampling=SamplingConfig(group_size=4, max_new_tokens=12, temperature=1.5),
-            mask_truncated_completions=case == "outcome",
             prompts_per_round=4,
             **settings,
         )
-    data.collector.pack_tokens, data.collector.balance_micro_batches = pack_tokens, balance
     module.configure_model()
     if case != "multi-turn":
         with torch.no_grad():  # a random model rarely ends a completion: make EOS likely, so lengths vary

@@ -17,7 +17,7 @@ import pytest
 import torch
 from trl.rewards import accuracy_reward, get_repetition_penalty_reward, get_soft_overlong_punishment
 
-from grpo_lightning.config import ConfigError
+from grpo_lightning.config import ConfigError, UpdateConfig
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams
 from grpo_lightning.models.tiny import build_char_tokenizer
 from grpo_lightning.rewards import RewardError, RewardSpec, register, score
@@ -414,7 +414,7 @@ def test_the_rollout_tells_rewards_the_training_step(tmp_path):
         rewards=[RewardSpec("test_trl_steps_seen")],
         sampling=SamplingConfig(group_size=2, max_new_tokens=4),
         prompts_per_round=2,
-        mini_batch_size=2,
+        update=UpdateConfig(mini_batch_size=2),
         val_split=None,
     )
     quiet_trainer(tmp_path, max_epochs=2).fit(GRPOModule(tiny_model=TINY, lr=1e-3), datamodule=data)

@@ -12,7 +12,7 @@ from helpers import attach, checksum_reward, length_reward, step_length_reward
 
 from grpo_lightning import GRPOModule, RolloutDataModule, SamplingConfig
 from grpo_lightning.advantages import batch_normalized, decoupled_sum, passk_advantages
-from grpo_lightning.config import AdvantageConfig, ConfigError
+from grpo_lightning.config import AdvantageConfig, ConfigError, EvalConfig
 from grpo_lightning.rewards import RewardSpec, register
 from grpo_lightning.rollout.round import compute_advantages
 
@@ -27,7 +27,7 @@ PASSK = AdvantageConfig(estimator="passk", k=3, std="sample")
 
 def data_module(advantage: AdvantageConfig, **settings) -> RolloutDataModule:
     settings = {"rewards": TWO_REWARDS, "sampling": SamplingConfig(group_size=4, max_new_tokens=4), **settings}
-    return RolloutDataModule(advantage=advantage, prompts_per_round=2, val_limit=4, **settings)
+    return RolloutDataModule(advantage=advantage, prompts_per_round=2, eval=EvalConfig(limit=4), **settings)
 
 
 def test_the_rewards_weights_reach_gdpo(tmp_path):

@@ -19,7 +19,7 @@ from lightning import Callback, Trainer
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.callbacks.policy_sync import OldPolicySync
 from grpo_lightning.cli import TRAINER_DEFAULTS
-from grpo_lightning.config import ConfigError
+from grpo_lightning.config import ConfigError, EvalConfig, UpdateConfig
 from grpo_lightning.engines.lean import LeanEngine
 from grpo_lightning.modality import TEXT
 from grpo_lightning.rewards import RewardSpec, register
@@ -79,8 +79,7 @@ def make(engine, **data_settings):
         sampling=SamplingConfig(group_size=4, max_new_tokens=4),
         engine=engine,
         prompts_per_round=2,
-        val_limit=4,
-        val_batch_size=4,
+        eval=EvalConfig(limit=4, batch_size=4),
         task_kwargs={"test_size": 20},
         **data_settings,
     )
@@ -89,7 +88,7 @@ def make(engine, **data_settings):
 
 def test_an_engine_with_its_own_weights_samples_the_current_policy_with_no_callback(tmp_path):
     engine, steps = CopyEngine(), Steps()
-    module, data = make(engine, num_iterations=2)  # two optimizer steps a round: π_old recorded
+    module, data = make(engine, update=UpdateConfig(num_iterations=2))  # two optimizer steps a round: π_old recorded
     rounds = 3
     trainer = Trainer(
         **{**TRAINER_DEFAULTS, "check_val_every_n_epoch": 2, "num_sanity_val_steps": 0},
@@ -146,23 +145,26 @@ def test_a_round_runs_its_steps_in_the_algorithms_order(tmp_path, monkeypatch):
 
 
 def test_a_trainer_built_in_python_is_told_the_gradient_accumulation_its_batches_need(tmp_path):
-    module, data = make("lean", mini_batch_size=8, micro_batch_size=2)
+    module, data = make("lean", update=UpdateConfig(mini_batch_size=8, micro_batch_size=2))
     trainer = quiet_trainer(tmp_path, max_epochs=1)
     message = (
-        r"^trainer.accumulate_grad_batches = 1, but data.mini_batch_size / data.micro_batch_size = 4 micro-batches "
+        r"^trainer.accumulate_grad_batches = 1, but data.update.mini_batch_size / data.update.micro_batch_size = 4 "
+        r"micro-batches "
         r"make an optimizer step: set Trainer\(accumulate_grad_batches=4\)"
     )
     with pytest.raises(ConfigError, match=message):
         trainer.fit(module, datamodule=data)
     assert trainer.accumulate_grad_batches == 1  # checked, never set by the data side
-    module, data = make("lean", mini_batch_size=8, micro_batch_size=2)
+    module, data = make("lean", update=UpdateConfig(mini_batch_size=8, micro_batch_size=2))
     trainer = quiet_trainer(tmp_path, max_epochs=1, accumulate_grad_batches=4)
     trainer.fit(module, datamodule=data)
     assert trainer.global_step == 1
 
 
 def test_a_policy_side_that_gives_no_old_logprobs_stops_a_round_of_several_steps(tmp_path):
-    module, data = make("lean", num_iterations=2, old_logprobs="recompute")  # π_old: the module's pass
+    module, data = make(
+        "lean", update=UpdateConfig(num_iterations=2, old_logprobs="recompute")
+    )  # π_old: the module's pass
     module.rollout_logprobs = lambda batch, *, old, ref: (None, None)
     with pytest.raises(RuntimeError, match=r"^round 1 has 2 optimizer steps but carries no π_old log-probs"):
         quiet_trainer(tmp_path, max_epochs=1).fit(module, datamodule=data)

@@ -22,7 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from test_multiturn import ScriptedEngine
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
-from grpo_lightning.config import ConfigError
+from grpo_lightning.config import ConfigError, EvalConfig, ScheduleConfig
 from grpo_lightning.engines.base import SamplingParams
 from grpo_lightning.integrations.environments import ToolEnvironment
 from grpo_lightning.integrations.environments.multiturn import generate_trajectories
@@ -219,7 +219,7 @@ def test_the_background_worker_renders_prompts_as_the_trainer_does(tmp_path, qwe
         rewards=[RewardSpec("test_conversation_answer")],
         sampling=SamplingConfig(group_size=2, max_new_tokens=4),
         prompts_per_round=2,
-        rollout_lag=1,
+        schedule=ScheduleConfig(rollout_lag=1),
     )
     attach(module, data, quiet_trainer(tmp_path))
     module.configure_model()
@@ -360,7 +360,7 @@ def test_val_fraction_holds_out_seeded_rows_that_are_not_trained_on(tmp_path):
     assert split(seed=3) == (train, held)  # reproducible
     assert split(seed=4)[1] != held  # another seed, another split
     # The data module trains on the rest only, and evaluates (val_limit: the first rows) on the held-out ones.
-    data = RolloutDataModule(dataset=path, val_fraction=0.25, seed=3, val_limit=2)
+    data = RolloutDataModule(dataset=path, val_fraction=0.25, seed=3, eval=EvalConfig(limit=2))
     attach(GRPOModule(tiny_model=SMALL), data, quiet_trainer(tmp_path))
     data.setup("fit")
     assert list(data.train_data["prompt"]) == train and list(data.val_data["prompt"]) == held[:2]

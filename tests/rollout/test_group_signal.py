@@ -45,7 +45,7 @@ register("test_signal_steps")(step_length_reward)
 
 
 def dynamic_round(texts, rewards, **advantage):
-    """One round with ``data.dynamic_sampling`` (at most ``CAP`` draws): the finished rollout."""
+    """One round with ``data.sampling.dynamic_sampling`` (at most ``CAP`` draws): the finished rollout."""
     tokenizer = build_char_tokenizer()
     answers = itertools.cycle(texts)
     engine = ScriptedEngine(tokenizer, lambda context: next(answers) + EOS)

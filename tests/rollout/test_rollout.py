@@ -13,7 +13,7 @@ from helpers import attach, length_reward
 from lightning import Callback
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
-from grpo_lightning.config import AdvantageConfig, ConfigError
+from grpo_lightning.config import AdvantageConfig, ConfigError, EvalConfig, UpdateConfig
 from grpo_lightning.rewards import RewardSpec, register
 from grpo_lightning.rollout import datamodule as datamodule_module
 from grpo_lightning.rollout.batch import RolloutBatch
@@ -46,11 +46,9 @@ def make(tmp_path, *, mu=1, beta=0.04, prompts=4, group=4, mini=None, micro=None
     data = RolloutDataModule(
         rewards=[RewardSpec("test_length")],
         sampling=SamplingConfig(group_size=group, max_new_tokens=4),
-        num_iterations=mu,
+        update=UpdateConfig(num_iterations=mu, mini_batch_size=mini, micro_batch_size=micro),
         prompts_per_round=prompts,
-        mini_batch_size=mini,
-        micro_batch_size=micro,
-        val_limit=8,
+        eval=EvalConfig(limit=8),
         task_kwargs={"test_size": 50},
     )
     recorder = Recorder()
@@ -107,11 +105,9 @@ def test_every_step_after_the_first_of_a_round_is_clipped_against_pi_old(tmp_pat
     data = RolloutDataModule(
         rewards=[RewardSpec("test_length")],
         sampling=SamplingConfig(group_size=4, max_new_tokens=6, temperature=0.7),
-        num_iterations=1,
-        old_logprobs=old_logprobs,
+        update=UpdateConfig(num_iterations=1, old_logprobs=old_logprobs, mini_batch_size=8),
         prompts_per_round=4,
-        mini_batch_size=8,
-        val_limit=8,
+        eval=EvalConfig(limit=8),
         task_kwargs={"test_size": 50},
     )
     recorder = RatioRecorder()
@@ -167,12 +163,11 @@ def test_old_logprobs_from_the_sampler_equal_a_recomputed_pass(tmp_path, choice)
     # DAPO's dynamic sampling concatenates several generations (prompts of other lengths): still aligned.
     data = RolloutDataModule(
         rewards=[RewardSpec("test_gated_digits")],
-        sampling=SamplingConfig(group_size=4, max_new_tokens=6, temperature=0.7),
-        num_iterations=2,
-        old_logprobs=choice,
+        sampling=SamplingConfig(
+            group_size=4, max_new_tokens=6, temperature=0.7, dynamic_sampling=True, max_sampling_rounds=4
+        ),
+        update=UpdateConfig(num_iterations=2, old_logprobs=choice),
         prompts_per_round=2,
-        dynamic_sampling=True,
-        max_sampling_rounds=4,
     )
     attach(module, data, quiet_trainer(tmp_path))
     module.configure_model()
@@ -269,10 +264,9 @@ def one_step_update(tmp_path, loss_type: str, micro: int) -> tuple[torch.Tensor,
     data = RolloutDataModule(
         rewards=[RewardSpec("test_length")],
         sampling=SamplingConfig(group_size=4, max_new_tokens=5, temperature=1.5),
-        mask_truncated_completions=True,
+        update=UpdateConfig(mask_truncated_completions=True, micro_batch_size=micro),
         prompts_per_round=4,
-        micro_batch_size=micro,
-        val_limit=8,
+        eval=EvalConfig(limit=8),
         task_kwargs={"test_size": 50},
     )
     trainer = quiet_trainer(tmp_path, max_epochs=1, accumulate_grad_batches=16 // micro)

@@ -10,7 +10,7 @@ from conftest import TINY, quiet_trainer
 from helpers import length_reward, step_length_reward
 from lightning import Callback
 
-from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
+from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig, UpdateConfig
 from grpo_lightning.callbacks.kl import KLController, ReferenceSync, adaptive_beta
 from grpo_lightning.cli import GRPOCLI
 from grpo_lightning.engines import Completions, RolloutEngine
@@ -44,18 +44,17 @@ def tiny_module(**objective):
     return GRPOModule(tiny_model=TINY, objective=ObjectiveConfig(**objective), lr=1e-3)
 
 
-def tiny_data(rewards, **settings):
-    """A DataModule with the rewards ``rewards`` and G = 4 completions of at most 6 tokens."""
-    return RolloutDataModule(
-        rewards=[RewardSpec(r) for r in rewards], sampling=SamplingConfig(group_size=4, max_new_tokens=6), **settings
-    )
+def tiny_data(rewards, sampling: dict | None = None, **settings):
+    """A DataModule with the rewards ``rewards`` and G = 4 completions of at most 6 tokens (``sampling``: more of
+    ``data.sampling``)."""
+    sampling = SamplingConfig(group_size=4, max_new_tokens=6, **(sampling or {}))
+    return RolloutDataModule(rewards=[RewardSpec(r) for r in rewards], sampling=sampling, **settings)
 
 
 def test_dynamic_sampling_keeps_only_informative_groups(tmp_path):
     module = tiny_module(beta=0.0)
-    data = tiny_data(
-        ["test_even_a_length"], prompts_per_round=4, dynamic_sampling=True, max_sampling_rounds=8, val_split=None
-    )
+    dynamic = {"dynamic_sampling": True, "max_sampling_rounds": 8}
+    data = tiny_data(["test_even_a_length"], dynamic, prompts_per_round=4, val_split=None)
     fit(module, data, tmp_path=tmp_path)
     rollout = data.last_rollout
     assert len(rollout) == 16
@@ -68,9 +67,8 @@ def test_dynamic_sampling_keeps_only_informative_groups(tmp_path):
 
 def test_dynamic_sampling_cap_tops_up_with_uninformative_groups(tmp_path):
     module = tiny_module(beta=0.0)
-    data = tiny_data(
-        ["test_even_a_length"], prompts_per_round=8, dynamic_sampling=True, max_sampling_rounds=1, val_split=None
-    )
+    dynamic = {"dynamic_sampling": True, "max_sampling_rounds": 1}
+    data = tiny_data(["test_even_a_length"], dynamic, prompts_per_round=8, val_split=None)
     fit(module, data, tmp_path=tmp_path)
     assert len(data.last_rollout) == 32  # the size never changes (ranks stay in step)
     assert data.last_rollout.metrics["rollout/sampling_rounds"] == 1
@@ -171,7 +169,7 @@ def first_step(tmp_path, texts: list[str], mask_truncated: bool):
     data = tiny_data(
         ["test_variants_length"],
         engine=FixedEngine(texts, width=6),
-        mask_truncated_completions=mask_truncated,
+        update=UpdateConfig(mask_truncated_completions=mask_truncated),
         prompts_per_round=1,
         val_split=None,
     )
@@ -270,5 +268,7 @@ def test_recipe_configs_compose_with_the_quickstart(recipe, monkeypatch):
     if recipe == "gmpo":  # log space: ratios within (e^-0.4, e^0.4)
         assert cli.model.objective.resolved()["epsilon_low"] == 0.4
     if recipe == "dapo":
-        assert cli.datamodule.collector.dynamic_sampling and cli.model.objective.epsilon_high == 0.28
-        assert cli.datamodule.collector.mask_truncated_completions  # DAPO's overlong filtering (see the test above)
+        assert cli.datamodule.collector.sampling.dynamic_sampling and cli.model.objective.epsilon_high == 0.28
+        assert (
+            cli.datamodule.collector.update.mask_truncated_completions
+        )  # DAPO's overlong filtering (see the test above)

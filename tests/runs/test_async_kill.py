@@ -1,4 +1,5 @@
-"""kill -9, or SIGTERM to the whole job, in the middle of a background generation (``data.rollout_lag: 1``), then
+"""kill -9, or SIGTERM to the whole job, in the middle of a background generation (``data.schedule.rollout_lag:
+1``), then
 ``--ckpt_path last``: the run ends with the weights of an uninterrupted one.
 
 The quickstart's command line, 5 rounds, a checkpoint every round. A reward of weight 0 counts the worker's

@@ -1,4 +1,4 @@
-"""Asynchronous rollouts at a fixed lag (``data.rollout_lag``, ``rollout/schedule.py``, ``rollout/worker.py``).
+"""Asynchronous rollouts at a fixed lag (``data.schedule.rollout_lag``, ``rollout/schedule.py``, ``rollout/worker.py``).
 
 The weights version that sampled each round follows from the round alone (k − L, or 0 for the first L rounds),
 also after a resume; a run stopped at a round boundary (or killed mid-generation) and resumed trains on exactly
@@ -18,10 +18,11 @@ from lightning import Callback
 from test_resume import fit
 
 from grpo_lightning import GRPOModule, RolloutDataModule, SamplingConfig
-from grpo_lightning.config import ConfigError
+from grpo_lightning.config import ConfigError, ScheduleConfig, UpdateConfig
 from grpo_lightning.engines import LeanEngine
 from grpo_lightning.engines.weights import policy_weights
 from grpo_lightning.rewards import RewardSpec, register
+from grpo_lightning.rollout.curriculum import CurriculumConfig
 
 DIGITS = 4  # completion tokens that carry the sampling weights' fingerprint
 
@@ -73,7 +74,7 @@ def lagged(**settings) -> RolloutDataModule:
     small = {
         "sampling": SamplingConfig(group_size=2, max_new_tokens=4),
         "prompts_per_round": 2,
-        "rollout_lag": 1,
+        "schedule": ScheduleConfig(rollout_lag=1),
         "val_split": None,
         "task_kwargs": {"test_size": 20},
     }
@@ -132,18 +133,24 @@ def test_round_k_trains_on_version_k_minus_the_lag_and_three_plus_three_rounds_e
 @pytest.mark.parametrize(
     "settings,message",
     [
-        ({"rollout_lag": 1, "old_logprobs": "sampler"}, r"^data.old_logprobs: sampler .* data.rollout_lag > 0"),
-        ({"rollout_lag": 1, "curriculum": {}}, r"^data.curriculum picks .*\(data.rollout_lag > 0\)"),
-        ({"rollout_lag": 1, "off_policy_correction": "clip"}, r"^data.off_policy_correction must be decoupled"),
+        (
+            lambda: {"schedule": ScheduleConfig(rollout_lag=1), "update": UpdateConfig(old_logprobs="sampler")},
+            r"^data.update.old_logprobs: sampler .* data.schedule.rollout_lag > 0",
+        ),
+        (
+            lambda: {"schedule": ScheduleConfig(rollout_lag=1), "curriculum": CurriculumConfig()},
+            r"^data.curriculum picks .*\(data.schedule.rollout_lag > 0\)",
+        ),
+        (
+            lambda: {"schedule": ScheduleConfig(rollout_lag=1, off_policy_correction="clip")},
+            r"^data.schedule.off_policy_correction must be decoupled",
+        ),
     ],
+    ids=["sampler", "curriculum", "correction"],
 )
 def test_what_a_lag_cannot_do_is_refused_in_one_line(settings, message):
-    from grpo_lightning.rollout.curriculum import CurriculumConfig
-
-    if "curriculum" in settings:
-        settings = {**settings, "curriculum": CurriculumConfig()}
     with pytest.raises(ConfigError, match=message):
-        RolloutDataModule(**settings)
+        RolloutDataModule(**settings())
 
 
 @register("async_fails_in_round_2")
@@ -176,7 +183,7 @@ def hangs(prompts, completions, **_):
 
 
 def test_a_worker_that_dies_or_hangs_is_reported_not_waited_for(tmp_path):
-    module, data = GRPOModule(tiny_model=TINY), lagged(rollout_timeout_s=3)
+    module, data = GRPOModule(tiny_model=TINY), lagged(schedule=ScheduleConfig(rollout_lag=1, rollout_timeout_s=3))
 
     class Killed(Callback):
         def on_train_epoch_end(self, trainer, module):
@@ -186,8 +193,11 @@ def test_a_worker_that_dies_or_hangs_is_reported_not_waited_for(tmp_path):
     with pytest.raises(RuntimeError, match=r"the rollout worker process died \(exit code -9\)"):
         trainer.fit(module, datamodule=data)
 
-    module, data = GRPOModule(tiny_model=TINY), lagged(rewards=[RewardSpec("async_hangs")], rollout_timeout_s=3)
-    with pytest.raises(TimeoutError, match=r"no result in 3 s \(data.rollout_timeout_s\)"):
+    module, data = (
+        GRPOModule(tiny_model=TINY),
+        lagged(rewards=[RewardSpec("async_hangs")], schedule=ScheduleConfig(rollout_lag=1, rollout_timeout_s=3)),
+    )
+    with pytest.raises(TimeoutError, match=r"no result in 3 s \(data.schedule.rollout_timeout_s\)"):
         quiet_trainer(tmp_path / "hung", max_epochs=1).fit(module, datamodule=data)
 
 
@@ -206,10 +216,9 @@ def test_multi_turn_tool_calls_with_dynamic_sampling_on_the_transformers_engine_
         dataset="multiplication",
         engine="transformers",
         environment=ToolEnvironment(tools=["calculator"], format="tag", max_turns=3, max_turn_tokens=40),
-        sampling=SamplingConfig(group_size=4, max_new_tokens=96),
+        sampling=SamplingConfig(group_size=4, max_new_tokens=96, dynamic_sampling=True),
         prompts_per_round=4,
-        dynamic_sampling=True,
-        rollout_lag=1,
+        schedule=ScheduleConfig(rollout_lag=1),
         val_split=None,
     )
 
@@ -268,7 +277,7 @@ def behaviour_weights_at_a_lag(tmp_path, engine):
         rewards=[RewardSpec("async_digit_sum")],
         sampling=SamplingConfig(group_size=4, max_new_tokens=8),
         prompts_per_round=4,
-        num_iterations=2,
+        update=UpdateConfig(num_iterations=2),
     )
     keep = Rollouts()
     trainer = quiet_trainer(tmp_path, max_epochs=2, callbacks=[keep])

@@ -27,6 +27,7 @@ from lightning import Callback, Trainer, seed_everything
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.checkpoint_io import AtomicCheckpointIO
 from grpo_lightning.cli import main
+from grpo_lightning.config import EvalConfig, UpdateConfig
 from grpo_lightning.guard import NonFiniteError, NonFiniteGuard
 from grpo_lightning.rewards import RewardSpec, register
 
@@ -108,8 +109,8 @@ def write_config(tmp: Path, every_n_rounds: int = 1) -> Path:
             "rewards": [{"name": "crash_length"}],
             "sampling": {"group_size": 4, "max_new_tokens": 4},
             "prompts_per_round": PROMPTS,
-            "mini_batch_size": 4,
-            "val_limit": 4,
+            "update": {"mini_batch_size": 4},
+            "eval": {"limit": 4},
             "task_kwargs": {"test_size": 50},
         },
     }
@@ -249,8 +250,8 @@ def guarded_fit(tmp_path, inject: Inject, max_skips: int = 3) -> Trainer:
         rewards=[RewardSpec("crash_length")],
         sampling=SamplingConfig(group_size=4, max_new_tokens=4),
         prompts_per_round=PROMPTS,
-        mini_batch_size=4,
-        val_limit=4,
+        update=UpdateConfig(mini_batch_size=4),
+        eval=EvalConfig(limit=4),
         task_kwargs={"test_size": 50},
     )
     trainer = quiet_trainer(tmp_path, max_epochs=2, callbacks=[inject])

@@ -10,8 +10,8 @@ optimizer step on (see ``grpo_lightning.models.lean_forward._repeat_rows``).
 The rounds are the quickstart's own (32 prompts × 8 completions): smaller rounds (8 prompts) were measured not
 to reach the parallel kernels, and a test on them passed on the code before the fix. Two fits run side by side.
 
-At a rollout lag (``data.rollout_lag: 1``) the two default threads are split, one for the background sampler and
-one for the update: ``test_async_kill.py`` runs its fits at the default threads, each resumed run against an
+At a rollout lag (``data.schedule.rollout_lag: 1``) the two default threads are split, one for the background
+sampler and one for the update: ``test_async_kill.py`` runs its fits at the default threads, each resumed run against an
 uninterrupted one (lag 2's schedule, the same at any thread count, is resumed exactly in ``test_async_rollouts.py``).
 """
 

@@ -25,7 +25,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.cli import TRAINER_DEFAULTS
-from grpo_lightning.config import AdvantageConfig
+from grpo_lightning.config import AdvantageConfig, EvalConfig, UpdateConfig
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams
 from grpo_lightning.engines.weights import policy_weights
 from grpo_lightning.lora import LoraConfig
@@ -40,9 +40,10 @@ WORLD, GROUP, PROMPTS = 2, 4, 4  # PROMPTS per round in all, split over the rank
 # token-level one for dapo, per completion for grpo, a constant for dr_grpo), with truncated completions emptied
 # out of the loss (their rows count as 0), and advantages scaled by the std of the whole batch; micro-batches with
 # gradient accumulation on top.
-EQUIVALENCE = {"advantage": AdvantageConfig(scale="batch"), "mask_truncated_completions": True}
+EQUIVALENCE = {"advantage": AdvantageConfig(scale="batch")}
+EQUIVALENT_UPDATE = {"mask_truncated_completions": True}  # of data.update
 EQUIVALENT_LOSSES = ("dapo", "grpo", "dr_grpo")
-PACKING = {  # FSDP2 runs of the dapo equivalence, padded and packed (models/packing.py)
+PACKING = {  # FSDP2 runs of the dapo equivalence, padded and packed (models/packing.py): data.update settings
     "fsdp_padded": {"pack_tokens": None, "balance_micro_batches": False},
     "fsdp_packed": {"pack_tokens": 24, "balance_micro_batches": True},
 }
@@ -135,7 +136,7 @@ def make_run(
     fixed: bool = False,
     checkpoints: bool = False,
     loss_type: str = "dapo",
-    data_options: dict[str, Any] | None = None,
+    update_options: dict[str, Any] | None = None,
     **module_options: Any,
 ) -> tuple[GRPOModule, RolloutDataModule, Trainer, Record]:
     """A tiny GRPO run: ``PROMPTS`` prompts per round over all ranks, G=4, one optimizer step of 2 micro-batches."""
@@ -153,11 +154,14 @@ def make_run(
         sampling=SamplingConfig(group_size=GROUP, max_new_tokens=4),
         **({**EQUIVALENCE, "engine": FixedRolloutEngine()} if fixed else {}),
         prompts_per_round=per_rank,
-        mini_batch_size=rollout,
-        micro_batch_size=rollout // 2,
-        val_limit=4,
+        update=UpdateConfig(
+            mini_batch_size=rollout,
+            micro_batch_size=rollout // 2,
+            **(EQUIVALENT_UPDATE if fixed else {}),
+            **(update_options or {}),
+        ),
+        eval=EvalConfig(limit=4),
         task_kwargs={"test_size": 50},
-        **(data_options or {}),
     )
     record = Record()
     callbacks: list[Callback] = [record]
@@ -231,7 +235,7 @@ def worker(out: Path, model_dir: str) -> None:
     logprobs.full_packing = counted
     for name, options in PACKING.items():
         module, data, trainer, record = make_run(
-            model_dir, out / name, strategy=strategies["fsdp"](), devices=WORLD, fixed=True, data_options=options
+            model_dir, out / name, strategy=strategies["fsdp"](), devices=WORLD, fixed=True, update_options=options
         )
         packed_forwards[0] = 0
         trainer.fit(module, datamodule=data)

@@ -20,6 +20,7 @@ from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, Sampl
 from grpo_lightning.callbacks.checkpointing import RoundCheckpoint
 from grpo_lightning.checkpoint_io import AtomicCheckpointIO
 from grpo_lightning.cli import TRAINER_DEFAULTS
+from grpo_lightning.config import UpdateConfig
 from grpo_lightning.rewards import RewardSpec, register
 
 register("entropy_control_length")(length_reward)
@@ -53,9 +54,8 @@ def data(**settings) -> RolloutDataModule:
         rewards=[RewardSpec("entropy_control_length")],
         sampling=SamplingConfig(group_size=4, max_new_tokens=6),
         prompts_per_round=2,
-        mini_batch_size=4,
         val_split=None,
-        **settings,
+        **{"update": UpdateConfig(mini_batch_size=4), **settings},
     )
 
 
@@ -105,7 +105,9 @@ def resumable_fit(rounds: int, dirpath, ckpt_path=None) -> tuple[GRPOModule, Ste
         plugins=[AtomicCheckpointIO()],
         default_root_dir=dirpath,
     )
-    trainer.fit(module, datamodule=data(micro_batch_size=2), ckpt_path=ckpt_path)
+    trainer.fit(
+        module, datamodule=data(update=UpdateConfig(mini_batch_size=4, micro_batch_size=2)), ckpt_path=ckpt_path
+    )
     return module, steps
 
 

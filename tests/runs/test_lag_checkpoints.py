@@ -1,7 +1,7 @@
 """Checkpoints inside a round at a rollout lag (issue 39, point 4): refused before training, in one line.
 
-At ``data.rollout_lag`` ≥ 1 a checkpoint holds the rounds sampled ahead, not the rollout in training; a run resumed
-from inside a round used to fail at its first step ("the rollout schedule waits for a round it never launched").
+At ``data.schedule.rollout_lag`` ≥ 1 a checkpoint holds the rounds sampled ahead, not the rollout in training; a run
+resumed from inside a round used to fail at its first step ("the rollout schedule waits for a round it never launched").
 A checkpoint callback that saves there (``every_n_train_steps``, ``train_time_interval``, or after a validation run
 inside a round) is now refused when ``fit`` starts, before any round is drawn, through the Python API and the CLI;
 round-end checkpoints (``RoundCheckpoint``, the CLI's default, ``every_n_epochs`` at the epoch's end) are not, and at
@@ -23,7 +23,7 @@ from test_bad_inputs import BASE, error_lines
 from grpo_lightning import GRPOModule, RolloutDataModule
 from grpo_lightning.callbacks import RoundCheckpoint
 from grpo_lightning.cli import main
-from grpo_lightning.config import ConfigError
+from grpo_lightning.config import ConfigError, EvalConfig, ScheduleConfig, UpdateConfig
 
 
 class _FirstRound(Exception):
@@ -44,8 +44,8 @@ def fit_once(root, lag: int, checkpoint, **trainer_settings) -> None:
     """``fit`` a tiny model at ``lag`` with ``checkpoint``, two micro-batches a round (validation on when
     ``limit_val_batches`` says so)."""
     validates = trainer_settings.get("limit_val_batches", 0) != 0
-    held_out = {"val_split": "test", "val_limit": 2} if validates else {}
-    data = lagged(rollout_lag=lag, mini_batch_size=2, **held_out)
+    held_out = {"val_split": "test", "eval": EvalConfig(limit=2)} if validates else {}
+    data = lagged(schedule=ScheduleConfig(rollout_lag=lag), update=UpdateConfig(mini_batch_size=2), **held_out)
     trainer = quiet_trainer(root, max_epochs=2, enable_checkpointing=True, callbacks=[checkpoint], **trainer_settings)
     trainer.fit(GRPOModule(tiny_model=TINY), datamodule=data)
 
@@ -55,7 +55,8 @@ INSIDE_A_ROUND = {
         lambda: ModelCheckpoint(every_n_train_steps=1),
         {},
         r"^trainer.callbacks: ModelCheckpoint\(every_n_train_steps=1\) saves inside a round, which a run at "
-        r"data.rollout_lag=1 cannot resume from .*; save at round ends: grpo_lightning.callbacks.RoundCheckpoint",
+        r"data.schedule.rollout_lag=1 cannot resume from .*; save at round ends: "
+        r"grpo_lightning.callbacks.RoundCheckpoint",
     ),
     "train_time_interval": (
         lambda: ModelCheckpoint(train_time_interval=timedelta(minutes=30)),
@@ -130,14 +131,14 @@ def cli_config(tmp_path, callbacks: list | None) -> str:
 def test_the_cli_refuses_every_n_train_steps_at_a_lag_in_one_line(tmp_path, monkeypatch, capsys, no_rounds):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", cli_config(tmp_path, [STEPS]), "--data.rollout_lag", "1"])
+        main(["fit", "--config", cli_config(tmp_path, [STEPS]), "--data.schedule.rollout_lag", "1"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err, err[-3000:]
     lines = error_lines(err)
     assert len(lines) == 1, err[-2000:]
     assert lines[0].startswith("error: trainer.callbacks: ModelCheckpoint(every_n_train_steps=2) saves inside a round")
-    assert "data.rollout_lag=1" in lines[0] and "RoundCheckpoint(every_n_rounds=N)" in lines[0]
+    assert "data.schedule.rollout_lag=1" in lines[0] and "RoundCheckpoint(every_n_rounds=N)" in lines[0]
 
 
 @pytest.mark.parametrize(
@@ -150,4 +151,4 @@ def test_the_cli_accepts_the_same_callback_at_lag_0_and_its_default_at_a_lag(
 ):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(_FirstRound):
-        main(["fit", "--config", cli_config(tmp_path, callbacks), "--data.rollout_lag", lag])
+        main(["fit", "--config", cli_config(tmp_path, callbacks), "--data.schedule.rollout_lag", lag])

@@ -70,8 +70,8 @@ def test_second_rl_stage_combines_rule_and_model_rewards_with_yaml_weights(tmp_p
                 for spec in stage["data"]["rewards"]
             ],
             "prompts_per_round": 4,
-            "mini_batch_size": 32,
-            "val_limit": 8,
+            "update": {"mini_batch_size": 32},
+            "eval": {"limit": 8},
             "task_kwargs": {"test_size": 50},
         },
     }

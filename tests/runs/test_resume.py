@@ -21,7 +21,7 @@ from grpo_lightning.callbacks.kl import KLController, ReferenceSync
 from grpo_lightning.callbacks.policy_sync import OldPolicySync
 from grpo_lightning.checkpoint_io import AtomicCheckpointIO, remove_partial_checkpoints
 from grpo_lightning.cli import TRAINER_DEFAULTS
-from grpo_lightning.config import ConfigError
+from grpo_lightning.config import ConfigError, EvalConfig, ScheduleConfig, UpdateConfig
 from grpo_lightning.config_checks import check_state_dict_shapes
 from grpo_lightning.models.tiny import TinyModelConfig
 from grpo_lightning.rewards import RewardError, RewardSpec, register
@@ -66,10 +66,10 @@ def fit(dirpath, epochs, *, ckpt_path=None, every_n_rounds=1, tiny=TINY, engine=
         rewards=[RewardSpec("resume_noisy_length")],
         sampling=SamplingConfig(group_size=GROUP, max_new_tokens=4),
         engine=engine,
-        rollout_lag=rollout_lag,
+        schedule=ScheduleConfig(rollout_lag=rollout_lag),
         prompts_per_round=PROMPTS,
-        mini_batch_size=4,
-        val_limit=4,
+        update=UpdateConfig(mini_batch_size=4),
+        eval=EvalConfig(limit=4),
         task_kwargs={"test_size": 50},
     )
     recorder = Recorder()

@@ -101,7 +101,7 @@ def test_sft_fit_writes_a_folder_grpo_starts_from(tmp_path, packing):
             "dataset": str(data),
             "sampling": {"max_new_tokens": 4},
             "val_dataset": "arithmetic",
-            "val_limit": 8,
+            "eval": {"limit": 8},
             "task_kwargs": {"test_size": 50},
             "batch_size": 4,
             "packing": packing,

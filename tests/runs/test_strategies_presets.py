@@ -67,7 +67,7 @@ def fit_command(preset: str, out: Path, *overrides: str) -> list[str]:
         *(sys.executable, "-m", "grpo_lightning", "fit", "--config", str(QUICKSTART)),
         *("--config", str(ROOT / "configs" / "strategies" / f"{preset}.yaml")),
         *("--model.model_name_or_path", str(MODEL), "--trainer.max_steps", str(STEPS)),
-        *("--data.prompts_per_round", "8", "--data.mini_batch_size", "32"),  # 2 steps per round of 8 × G=8
+        *("--data.prompts_per_round", "8", "--data.update.mini_batch_size", "32"),  # 2 steps per round of 8 × G=8
         *("--trainer.strategy.init_args.timeout", PG_TIMEOUT, "--trainer.enable_progress_bar", "false"),
         f"--trainer.callbacks+={json.dumps(callback)}",
         *overrides,
@@ -148,13 +148,13 @@ PRESET_CASES = [(preset, lag) for preset in PRESETS for lag in (0, 1) if preset 
 def test_preset_with_quickstart_on_two_processes(preset: str, lag: int, tmp_path: Path) -> None:
     """The issue's command: ``--config configs/quickstart.yaml --config configs/strategies/<preset>.yaml`` with 2
     processes (Lightning starts the second) runs its steps, saves its checkpoint and config, and ends with the same
-    weights on both ranks; also at ``data.rollout_lag: 1`` (a background process per rank samples ahead)."""
-    devices = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--data.rollout_lag", str(lag)]
+    weights on both ranks; also at ``data.schedule.rollout_lag: 1`` (a background process per rank samples ahead)."""
+    devices = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--data.schedule.rollout_lag", str(lag)]
     if preset == "deepspeed":
         pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install deepspeed)")
         if torch.cuda.device_count() < 2:
             pytest.skip("the DeepSpeed preset needs 2 CUDA devices")
-        devices = ["--trainer.accelerator", "gpu", "--trainer.devices", "2", "--data.rollout_lag", str(lag)]
+        devices = ["--trainer.accelerator", "gpu", "--trainer.devices", "2", "--data.schedule.rollout_lag", str(lag)]
     out = tmp_path / "weights"
     finish([start(fit_command(preset, out, *devices), tmp_path, run_environment(tmp_path))])
     ranks = load_ranks(out, 2)
@@ -177,10 +177,10 @@ def test_two_nodes_one_process_each(tmp_path: Path) -> None:
     """Past one machine as Lightning's launcher does it on a cluster it does not manage: the same command on every
     node with ``MASTER_ADDR``/``MASTER_PORT`` of node 0, ``NODE_RANK``, ``WORLD_SIZE`` and ``trainer.num_nodes``.
     Two "nodes" here (each in a folder of its own) of one process each, over gloo; DDP keeps their weights equal,
-    at ``data.rollout_lag: 1`` (a background process per node samples ahead)."""
+    at ``data.schedule.rollout_lag: 1`` (a background process per node samples ahead)."""
     out = tmp_path / "weights"
     command = fit_command("ddp", out, "--trainer.accelerator", "cpu", "--trainer.num_nodes", "2")
-    command += ["--trainer.devices", "1", "--data.rollout_lag", "1"]
+    command += ["--trainer.devices", "1", "--data.schedule.rollout_lag", "1"]
     port = str(free_port())
     nodes = [
         start(

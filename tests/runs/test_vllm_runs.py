@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from grpo_lightning.config import EvalConfig, UpdateConfig
+
 ROOT = Path(__file__).resolve().parents[2]
 if __name__ != "__main__" and importlib.util.find_spec("vllm") is None:
     pytest.skip(
@@ -49,7 +51,7 @@ def test_three_rounds_then_three_more_equal_six_rounds_with_vllm(tmp_path):
 
 
 def test_three_plus_three_rounds_equal_six_with_vllm_at_lag_1(tmp_path):
-    """At ``data.rollout_lag: 1`` vLLM runs in the background process (its own copy, pushed at each round
+    """At ``data.schedule.rollout_lag: 1`` vLLM runs in the background process (its own copy, pushed at each round
     boundary): the rollouts it samples ahead are checkpointed and the resumed run trains on the same tensors."""
     from test_async_rollouts import assert_same_tensors
     from test_resume import fit
@@ -133,8 +135,8 @@ def worker(out: Path, model_dir: str) -> None:
         sampling=SamplingConfig(group_size=4, max_new_tokens=4),
         engine=engine_of_this_run(),
         prompts_per_round=2,
-        mini_batch_size=4,
-        val_limit=4,
+        update=UpdateConfig(mini_batch_size=4),
+        eval=EvalConfig(limit=4),
         task_kwargs={"test_size": 50},
     )
     trainer = Trainer(

@@ -12,7 +12,7 @@ import torch
 from conftest import quiet_trainer
 from vision_models import COLOURS, image_prompt, squares
 
-from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
+from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig, UpdateConfig
 from grpo_lightning.config import ConfigError
 from grpo_lightning.integrations.agents import AgentEnvironment
 from grpo_lightning.integrations.vision.inputs import packing_off
@@ -55,8 +55,7 @@ def vision_run(tmp_path, family="qwen2_vl", **data_settings):
         "rewards": [RewardSpec("test_vision_count")],
         "sampling": SamplingConfig(group_size=2, max_new_tokens=4, temperature=1.0),
         "prompts_per_round": 3,
-        "mini_batch_size": 3,  # two optimizer steps a round: π_old is recorded
-        "micro_batch_size": 3,
+        "update": UpdateConfig(mini_batch_size=3, micro_batch_size=3),  # two optimizer steps a round: π_old recorded
         **data_settings,
     }
     return module, RolloutDataModule(**settings)
@@ -105,7 +104,7 @@ def test_what_a_vision_language_model_cannot_use_yet_is_refused_before_training(
 
 def test_the_cli_trains_and_evaluates_a_vision_language_model(tmp_path, caplog):
     """``grpo_lightning fit`` on a config that names the folder: two rounds, then held-out evaluation with images
-    (``data.val_fraction``); ``data.pack_tokens: auto`` is turned off for the image rows, in one line."""
+    (``data.val_fraction``); ``data.update.pack_tokens: auto`` is turned off for the image rows, in one line."""
     import yaml
 
     from grpo_lightning.cli import GRPOCLI
@@ -128,7 +127,7 @@ def test_the_cli_trains_and_evaluates_a_vision_language_model(tmp_path, caplog):
             "rewards": [{"name": "test_vision_count"}],
             "sampling": {"group_size": 2, "max_new_tokens": 3},
             "prompts_per_round": 2,
-            "pack_tokens": "auto",
+            "update": {"pack_tokens": "auto"},
         },
     }  # fmt: skip
     path = tmp_path / "vision.yaml"
@@ -139,7 +138,7 @@ def test_the_cli_trains_and_evaluates_a_vision_language_model(tmp_path, caplog):
     assert cli.trainer.global_step == 2 and "val/accuracy" in cli.trainer.callback_metrics
     assert len(cli.datamodule.val_data) == 3 and len(cli.datamodule.last_rollout.vision) == 4
     notices = [r.getMessage() for r in caplog.records if "pack_tokens" in r.getMessage()]
-    assert notices == ["data.pack_tokens: auto is off for a vision-language model: its rows run padded"]
+    assert notices == ["data.update.pack_tokens: auto is off for a vision-language model: its rows run padded"]
 
 
 def test_a_round_with_lora_on_the_language_model(tmp_path):

@@ -21,6 +21,8 @@ import torch
 from helpers import run_on_two_processes
 from lightning import Callback, Trainer
 
+from grpo_lightning.config import UpdateConfig
+
 ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
 
@@ -61,8 +63,7 @@ def worker(out: Path, model_dir: str, data_file: str) -> None:
         rewards=[RewardSpec("test_vision_count")],
         sampling=SamplingConfig(group_size=2, max_new_tokens=4, temperature=1.0),
         prompts_per_round=2,  # per rank
-        mini_batch_size=2,  # two optimizer steps a round: π_old recorded
-        micro_batch_size=2,
+        update=UpdateConfig(mini_batch_size=2, micro_batch_size=2),
     )
     start = StartWeights()
     trainer = Trainer(

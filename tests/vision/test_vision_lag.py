@@ -1,6 +1,6 @@
-"""A rollout lag with a vision-language model (issue 42, ``data.rollout_lag`` ≥ 1): the background process builds the
-model (``AutoModelForImageTextToText``) and its processor, samples each row with its own images, and sends each
-row's image inputs back; the trainer's π_old pass gives every row its images."""
+"""A rollout lag with a vision-language model (issue 42, ``data.schedule.rollout_lag`` ≥ 1): the background process
+builds the model (``AutoModelForImageTextToText``) and its processor, samples each row with its own images, and sends
+each row's image inputs back; the trainer's π_old pass gives every row its images."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from test_vision_fit import vision_run
 from transformers import AutoModelForImageTextToText
 from vision_models import encoder_for, image_prompt, squares
 
+from grpo_lightning.config import ScheduleConfig
 from grpo_lightning.integrations.vision.inputs import forward_inputs, placeholder_token_ids
 from grpo_lightning.integrations.vision.modality import IMAGES
 from grpo_lightning.integrations.vision.models import model_from_config
@@ -74,7 +75,7 @@ def test_a_lag_of_one_samples_with_each_rows_images_and_pi_old_is_right(tmp_path
     k − 1 (round 0 by the first), the log-probs each row was sampled with are those of the model under those
     weights given the row's own images (its image placeholders suppressed, as the engine samples), and π_old (the
     weights at round k's start) is recomputed with them."""
-    module, data = vision_run(tmp_path, rollout_lag=1)
+    module, data = vision_run(tmp_path, schedule=ScheduleConfig(rollout_lag=1))
     snapshots = Snapshots()
     trainer = quiet_trainer(tmp_path, max_epochs=3, callbacks=[snapshots])
     trainer.fit(module, datamodule=data)

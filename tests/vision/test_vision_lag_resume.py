@@ -1,8 +1,8 @@
-"""A vision-language run at a rollout lag resumes exactly (issue 56): ``configs/vision.yaml`` at ``data.rollout_lag:
-1`` through the CLI, stopped after 3 rounds and resumed with ``--ckpt_path last`` for 3 more, ends with the weights
-of 6 rounds without a stop, bit for bit, as the text runs do (``tests/runs/test_async_rollouts.py``). The checkpoint
-holds the round sampled ahead as plain data (each row's image inputs, its images as PNG bytes), which
-``torch.load(weights_only=True)`` reads."""
+"""A vision-language run at a rollout lag resumes exactly (issue 56): ``configs/vision.yaml`` at
+``data.schedule.rollout_lag: 1`` through the CLI, stopped after 3 rounds and resumed with ``--ckpt_path last`` for 3
+more, ends with the weights of 6 rounds without a stop, bit for bit, as the text runs do
+(``tests/runs/test_async_rollouts.py``). The checkpoint holds the round sampled ahead as plain data (each row's
+image inputs, its images as PNG bytes), which ``torch.load(weights_only=True)`` reads."""
 
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ from grpo_lightning.integrations.vision.vllm_inputs import SourcedRow
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = [  # the demo's config, rounds made small: 2 prompts x G = 4, two optimizer steps a round, no evaluation
-    "--data.rollout_lag", "1",
+    "--data.schedule.rollout_lag", "1",
     "--data.prompts_per_round", "2",
     "--data.sampling.group_size", "4",
-    "--data.mini_batch_size", "4",
+    "--data.update.mini_batch_size", "4",
     "--data.task_kwargs.train_size", "64",
     "--data.task_kwargs.test_size", "8",
-    "--data.rollout_threads", "1",
+    "--data.schedule.rollout_threads", "1",
     "--trainer.limit_val_batches", "0",
     "--trainer.enable_progress_bar", "false",
 ]  # fmt: skip

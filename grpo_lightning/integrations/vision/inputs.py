@@ -43,9 +43,9 @@ TOKEN_TYPE_RULES = {"gemma3": "images", "paligemma": "prefix"}
 
 @functools.cache
 def packing_off(pack_tokens: int | str) -> None:
-    """Say once (per process and setting) that ``data.pack_tokens`` does not pack a vision-language model's rows:
+    """Say once (per process and setting) that ``data.update.pack_tokens`` does not pack a vision-language model's rows:
     its forward places each row's image features by the row's placeholders, which a packed bin would mix."""
-    log.warning("data.pack_tokens: %s is off for a vision-language model: its rows run padded", pack_tokens)
+    log.warning("data.update.pack_tokens: %s is off for a vision-language model: its rows run padded", pack_tokens)
 
 
 def row_inputs(output: Mapping[str, Any]) -> VisionRow:

@@ -6,7 +6,7 @@ says, through the contract, what the rest of the package does with images: the p
 (``integrations/vision/encoder.py``), each row's image inputs joined per forward and ``generate()``
 (``integrations/vision/inputs.py``), the vision tower frozen and kept in FSDP's root unit
 (``integrations/vision/models.py``), the processor saved beside the weights, the rounds' images in a checkpoint
-(``integrations/vision/saved.py``), and what a run with images cannot do yet (``integrations/vision/engines.py``).
+(``integrations/vision/saved.py``), and what a run with images cannot do yet (``integrations/vision/run_checks.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from grpo_lightning.config import ConfigError
 from grpo_lightning.integrations.vision import inputs, models, saved
-from grpo_lightning.integrations.vision.engines import check_vision_run
+from grpo_lightning.integrations.vision.run_checks import check_vision_run
 from grpo_lightning.modality import Modality, Rows
 
 

@@ -101,7 +101,7 @@ def is_vision_config(config: Any) -> bool:
 
 def model_from_config(config: Any, dtype: Any) -> nn.Module:
     """A randomly initialised model of ``config`` in ``dtype``: ``AutoModelForImageTextToText`` for a
-    vision-language model's, ``AutoModelForCausalLM`` otherwise (the background process of ``data.rollout_lag``
+    vision-language model's, ``AutoModelForCausalLM`` otherwise (the background process of ``data.schedule.rollout_lag``
     builds the policy's architecture this way, then takes its weights)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 

@@ -43,7 +43,7 @@ def _image_only_class(processor_class: str) -> type:
 
         def __reduce__(self) -> tuple[Any, ...]:
             # A class made here is not importable by its name: pickled (the background process of
-            # ``data.rollout_lag`` receives it) as this factory's class, made anew, and the object's own state.
+            # ``data.schedule.rollout_lag`` receives it) as this factory's class, made anew, and the object's own state.
             return _new_image_only, (processor_class,), self.__dict__
 
     ImageOnly.__name__ = ImageOnly.__qualname__ = processor_class
