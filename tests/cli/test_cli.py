@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -51,6 +52,7 @@ def write_config(path: Path, config: dict) -> Path:
     return path
 
 
+@pytest.mark.slow  # a minute: the slow tier (`pytest -m slow`, .ci/run)
 def test_fit_three_rounds_then_validate_the_checkpoint_then_resume_two_more(tmp_path):
     config = json.loads(json.dumps(TINY_CONFIG))
     config["trainer"]["enable_checkpointing"] = True

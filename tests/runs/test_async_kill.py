@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # about a minute a test: the slow tier (`pytest -m slow`, .ci/run)
+
 ROOT = Path(__file__).resolve().parents[2]
 ROUNDS, KILL_AT_CALL = 5, 5
 LAST = Path("runs/quickstart/checkpoints/last.ckpt")

@@ -28,6 +28,8 @@ from lightning import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
+pytestmark = pytest.mark.slow  # about a minute a test: the slow tier (`pytest -m slow`, .ci/run)
+
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 PRESETS = sorted(path.stem for path in (ROOT / "configs" / "strategies").glob("*.yaml"))
