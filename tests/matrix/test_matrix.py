@@ -17,6 +17,9 @@ import pytest
 from matrix_cases import AXES, all_pairs, axes, full_product
 from matrix_harness import INVARIANTS, Outcome, build_models, run_case
 
+from grpo_lightning.engines import ENGINES
+from grpo_lightning.plugins import load_plugin
+
 # What names each axis in a refusal: its setting, or its value (a modality is named by what it is).
 AXIS_NAMES = {
     "engine": lambda case: ("data.engine", case.engine),
@@ -65,11 +68,27 @@ def check_refusal(case, outcome: Outcome) -> None:
     assert len(named) >= 2, f"{case.id}: the refusal names {named} only: {message!r}"
 
 
+# Combinations the matrix's tiny models cannot show yet, with the reason (a gap of the fixtures, not a claim that
+# the package supports or refuses them): skipped, and listed in every run's summary.
+FIXTURE_GAPS = {
+    ("TRLEnvironment", "image"): "the tiny vision model's chat template writes no tool calls, which TRL's classes "
+    "need (refused in one line naming the template; a tool-calling VLM template would let it run)",
+}
+
+
+def engine_class(name: str) -> type:
+    engine = ENGINES[name]
+    return load_plugin(engine) if isinstance(engine, str) else engine
+
+
 def run_and_check(case, models, tmp_path) -> None:
     if case.needs_vllm:
         pytest.importorskip("vllm")
         if case.engine == "vllm_server":
             pytest.skip("vllm_server needs running servers (tests/runs/test_vllm_runs.py starts them)")
+    gap = FIXTURE_GAPS.get((case.kind, case.modality))
+    if gap is not None and (case.modality != "image" or engine_class(case.engine).takes_images):
+        pytest.skip(f"{case.id}: {gap}")  # an engine that takes no images is refused first: that still runs
     outcome = run_case(case, models, tmp_path)
     if outcome.error is not None:
         check_refusal(case, outcome)
