@@ -54,6 +54,21 @@ def __getattr__(name: str) -> tuple[str, ...]:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def engine_class(name: str) -> type[RolloutEngine]:
+    """The engine class ``data.engine: name`` builds (a plug-in path imported now), refused in one line when the
+    name is not registered or names no ``RolloutEngine`` subclass."""
+    if name not in ENGINES:
+        raise ConfigError(
+            f"data.engine: unknown engine {name!r}; choose one of {', '.join(engine_names())}, or give "
+            "{class_path: ..., init_args: {...}} for a RolloutEngine subclass"
+        )
+    engine = ENGINES[name]
+    found = load_plugin(engine) if isinstance(engine, str) else engine
+    if not (isinstance(found, type) and issubclass(found, RolloutEngine)):
+        raise ConfigError(f"data.engine: {name!r} names {engine!r}, which is not a RolloutEngine subclass")
+    return found
+
+
 def build_engine(spec: str | RolloutEngine) -> RolloutEngine:
     """The engine ``data.engine`` names (a fresh instance), or ``spec`` itself when it is an engine already.
 
@@ -62,16 +77,7 @@ def build_engine(spec: str | RolloutEngine) -> RolloutEngine:
     """
     if isinstance(spec, RolloutEngine):
         return spec
-    if spec not in ENGINES:
-        raise ConfigError(
-            f"data.engine: unknown engine {spec!r}; choose one of {', '.join(engine_names())}, or give "
-            "{class_path: ..., init_args: {...}} for a RolloutEngine subclass"
-        )
-    engine = ENGINES[spec]
-    engine_class = load_plugin(engine) if isinstance(engine, str) else engine
-    if not (isinstance(engine_class, type) and issubclass(engine_class, RolloutEngine)):
-        raise ConfigError(f"data.engine: {spec!r} names {engine!r}, which is not a RolloutEngine subclass")
-    return engine_class()
+    return engine_class(spec)()
 
 
 __all__ = [
@@ -83,6 +89,7 @@ __all__ = [
     "SamplingParams",
     "TransformersEngine",
     "build_engine",
+    "engine_class",
     "concat_completions",
     "engine_names",
     "register_engine",

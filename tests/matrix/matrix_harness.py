@@ -25,10 +25,9 @@ from lightning import Callback
 from grpo_lightning import GRPOModule, ObjectiveConfig, RolloutDataModule, SamplingConfig
 from grpo_lightning.config import ConfigError, ScheduleConfig, UpdateConfig
 from grpo_lightning.distillation import TeacherConfig
-from grpo_lightning.engines import ENGINES, RolloutEngine, SamplingParams, build_engine
+from grpo_lightning.engines import RolloutEngine, SamplingParams, build_engine, engine_class
 from grpo_lightning.models.logprobs import completion_logprobs
 from grpo_lightning.models.tiny import TinyModelConfig, build_tiny_llama
-from grpo_lightning.plugins import load_plugin
 from grpo_lightning.rewards import RewardSpec, register
 
 # 2 layers; a head size vLLM's CPU attention has kernels for (32), so that the vLLM tier runs the same model.
@@ -188,11 +187,9 @@ def build_models(folder: Path) -> Models:
 # ------------------------------------------------------------------------------------------------ a round
 def make_engine(name: str) -> RolloutEngine:
     """The registry's engine ``name``, with the matrix's settings for it (a small vLLM)."""
-    entry = ENGINES[name]
     if name not in ENGINE_SETTINGS:
         return build_engine(name)
-    engine_class = load_plugin(entry) if isinstance(entry, str) else entry
-    return engine_class(**ENGINE_SETTINGS[name])
+    return engine_class(name)(**ENGINE_SETTINGS[name])
 
 
 class StartWeights(Callback):

@@ -17,8 +17,7 @@ import pytest
 from matrix_cases import AXES, all_pairs, axes, full_product
 from matrix_harness import INVARIANTS, Outcome, build_models, run_case
 
-from grpo_lightning.engines import ENGINES
-from grpo_lightning.plugins import load_plugin
+from grpo_lightning.engines import engine_class
 
 # What names each axis in a refusal: its setting, or its value (a modality is named by what it is).
 AXIS_NAMES = {
@@ -74,11 +73,6 @@ FIXTURE_GAPS = {
     ("TRLEnvironment", "image"): "the tiny vision model's chat template writes no tool calls, which TRL's classes "
     "need (refused in one line naming the template; a tool-calling VLM template would let it run)",
 }
-
-
-def engine_class(name: str) -> type:
-    engine = ENGINES[name]
-    return load_plugin(engine) if isinstance(engine, str) else engine
 
 
 def run_and_check(case, models, tmp_path) -> None:
