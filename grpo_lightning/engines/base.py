@@ -54,18 +54,23 @@ from grpo_lightning.modality import TEXT, Modality
 class Completions:
     """Sampled completions, one row per (prompt, sample); the G rows of a prompt are adjacent."""
 
-    prompt_ids: Tensor  # [N, P] left-padded
-    prompt_mask: Tensor  # [N, P]
-    completion_ids: Tensor  # [N, T] right-padded with pad_token_id
-    completion_mask: Tensor  # [N, T] 1 for generated tokens up to and including EOS
-    truncated: Tensor  # [N] bool: ended by the length limit, not by EOS
-    # [N, T] log-probs of the drawn tokens under the distribution each was drawn from (the module docstring), 0 on
-    # padding; only when asked for (``return_logprobs``).
+    prompt_ids: Tensor
+    """``[N, P]`` each row's prompt, left-padded (a prompt repeated for each of its group's rows)."""
+    prompt_mask: Tensor
+    """``[N, P]`` 1 on the prompt tokens."""
+    completion_ids: Tensor
+    """``[N, T]`` the sampled tokens, right-padded with ``pad_token_id``."""
+    completion_mask: Tensor
+    """``[N, T]`` 1 for generated tokens up to and including the end (EOS id or stop sequence), never on padding."""
+    truncated: Tensor
+    """``[N]`` bool: ended by the length limit, not by an end token."""
     logprobs: Tensor | None = None
-    # [N, T] the same tokens' log-probs under the tempered policy, unfiltered (what the trainer's forward computes):
-    # from engines that have the full logits at hand (lean, transformers), with ``return_logprobs``; equal to
-    # ``logprobs`` when the sampling is not filtered. None from an engine that cannot give them (vLLM).
+    """``[N, T]`` log-probs of the drawn tokens under the distribution each was drawn from (the module docstring),
+    0 on padding; only when asked for (``return_logprobs``)."""
     policy_logprobs: Tensor | None = None
+    """``[N, T]`` the same tokens' log-probs under the tempered policy, unfiltered (what the trainer's forward
+    computes): from engines that have the full logits at hand (lean, transformers), with ``return_logprobs``; equal
+    to ``logprobs`` when the sampling is not filtered. None from an engine that cannot give them (vLLM)."""
 
     def __len__(self) -> int:
         return self.completion_ids.size(0)
@@ -76,11 +81,17 @@ class SamplingParams:
     """What to sample: ``group_size`` completions per prompt, from the tempered and filtered distribution."""
 
     group_size: int = 1
+    """Completions per prompt (``data.sampling.group_size``); ignored when ``greedy``."""
     max_new_tokens: int = 64
+    """The most tokens a completion may have; one without an end by then is ``truncated``."""
     min_new_tokens: int = 0
+    """Every EOS id is banned for the first ``min_new_tokens`` tokens (stop sequences count from there too)."""
     temperature: float = 1.0
+    """The logits are divided by it."""
     top_p: float = 1.0
+    """Nucleus filter: the smallest set of most likely tokens whose probabilities reach ``top_p`` is kept (1: off)."""
     top_k: int = 0
+    """The ``top_k`` most likely tokens are kept (0: off); applied before ``top_p``."""
     greedy: bool = False
     """The most likely token at every step (one completion per prompt); temperature and filters are ignored."""
     batch_size: int = 256
@@ -116,9 +127,23 @@ class SamplingParams:
 
 
 class RolloutEngine(ABC):
-    """Generates completions for prompts given as token ids. See the module docstring for the two kinds."""
+    """Generates completions for prompts given as token ids (the module docstring says what every engine samples).
+
+    To add an engine: subclass it, set ``name``, declare what it can do with the class attributes below (their
+    defaults describe an engine that samples from the policy module itself, text only) and implement ``generate``.
+    An engine that holds its own copy of the weights sets ``shares_weights = False`` and overrides ``load_weights``
+    (and ``offload`` and ``close`` to free what it holds). Its ``__init__`` arguments are its settings
+    (``data.engine: {class_path: my_pkg.MyEngine, init_args: {...}}``); ``register_engine`` gives it a name.
+
+    What the core does with an engine, in order: builds it when the config is read (before any model loads), calls
+    ``setup`` once the policy exists, then each round ``load_weights`` when ``is_current`` is false, ``generate``
+    (once or more) and ``offload`` when the update starts; ``close`` when the run ends. At a rollout lag an engine
+    not yet set up is deep-copied and pickled into the background process, which sets it up on its own model: its
+    settings must pickle. ``tests/engine_contract.py`` checks an engine against this contract.
+    """
 
     name: str = "engine"
+    """The engine's name in messages and logs (``data.engine``'s name for it)."""
     shares_weights: bool = True
     """Samples from the policy module itself; ``load_weights`` is then a no-op."""
     remote: bool = False
@@ -182,12 +207,25 @@ class RolloutEngine(ABC):
         generator: torch.Generator | None = None,
         return_logprobs: bool = False,
     ) -> Completions:
-        """``params.group_size`` completions per row of ``prompt_ids`` ``[B, P]`` (left-padded), groups adjacent.
+        """``params.group_size`` completions per row of ``prompt_ids`` (one per row when ``params.greedy``).
 
-        ``generator`` is the caller's random stream: the same state gives the same completions, so a resumed run
-        samples what an uninterrupted one would have. ``return_logprobs`` asks for the sampled tokens' log-probs.
         An engine with ``supports_continuation`` also takes ``session=`` (``open_session``): the same samples, each
-        row continuing from the keys and values kept at the session's previous call.
+        row continuing from the keys and values kept at the session's previous call; one with ``takes_images`` or
+        ``takes_row_inputs`` takes ``vision=``, each prompt's inputs beyond its ids.
+
+        Args:
+            prompt_ids: ``[B, P]`` prompt token ids, left-padded with the tokenizer's pad id.
+            prompt_mask: ``[B, P]`` 1 on the prompts' tokens, 0 on the padding.
+            params: what to sample (the module docstring: the distribution is this and nothing else).
+            generator: the caller's random stream: the same state must give the same completions, so that a
+                resumed run samples what an uninterrupted one would have. None: torch's global one.
+            return_logprobs: also return the drawn tokens' log-probs (``Completions.logprobs``; and
+                ``policy_logprobs`` where the engine has the full logits).
+
+        Returns:
+            ``B × params.group_size`` rows, a prompt's ``group_size`` rows adjacent, in the prompts' order;
+                each ends at its first EOS id or stop sequence (kept, in the mask) or is ``truncated`` at
+                ``params.max_new_tokens``.
         """
 
     def open_session(self) -> GenerationSession:

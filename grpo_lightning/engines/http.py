@@ -102,7 +102,7 @@ class ServerClient:
             if time.monotonic() > deadline:
                 raise ServerError(
                     f"data.engine: the vLLM server {self.base_url} {problem} within {timeout_s:g} s "
-                    "(data.engine.init_args.connect_timeout_s): start it first (README, vLLM servers) or fix "
+                    "(data.engine.init_args.connect_timeout_s): start it first (docs/vllm.md, vLLM servers) or fix "
                     "data.engine.init_args.base_urls"
                 )
             time.sleep(1.0)

@@ -70,7 +70,11 @@ def setting_ranges(**ranges: Range | str) -> Callable[[F], F]:
     """Decorator: declare the ranges of a policy loss's settings (keyword parameters), by setting name.
 
     The ranges are kept on the function (``fn.setting_ranges``), so a loss given by import path declares its own
-    as a registered one does; either decorator order with ``register_policy_loss`` works.
+    as a registered one does; either decorator order with ``register_policy_loss`` works. A value outside its range
+    is refused when the config is read, in one line naming the setting, the loss and the range.
+
+    Args:
+        **ranges: each setting's ``Range``, or its interval alone (``"[0, 1)"``, ``"(0, inf)"``).
     """
     declared = {name: as_range(value) for name, value in ranges.items()}
 

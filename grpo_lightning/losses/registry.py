@@ -187,10 +187,28 @@ def register_policy_loss(
     source: str = "",
     micro_batch_statistics: bool = False,
 ) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator: make ``fn`` a ``model.objective.loss_type`` named ``name`` (see ``PolicyLoss`` for the rest).
+    """Decorator: make ``fn`` (the contract of the module docstring) the ``model.objective.loss_type`` ``name``.
 
-    ``fixed=True``: the paper defines the loss with ``aggregation`` and no other is accepted. The ranges of its
-    settings are declared on the function with ``@setting_ranges`` (``ranges.py``), as a user's loss declares them.
+    The ranges of its settings are declared on the function with ``@setting_ranges`` (``ranges.py``), as a user's
+    loss declares them. The signature is checked here: ``inputs`` first, then keyword settings with defaults.
+
+    Args:
+        name: the name configs give.
+        aggregation: how its per-token losses become one number by default (``losses/aggregation.py``:
+            ``sequence_mean``, ``token_mean``, ``micro_batch_token_mean``, ``constant``, ``sequence_sum``).
+        fixed: the paper defines the loss with ``aggregation``, and ``model.objective.aggregation`` may not change
+            it (another value is refused before training).
+        level: ``"sequence"`` when the loss is defined on the sequence ratio (GSPO's s_i), whatever
+            ``importance_sampling_level`` says; None: it reads that setting (default ``token``).
+        corrects_sampler: the loss weighs its terms by the engine's importance weights itself
+            (``LossInputs.is_weights``), so the objective does not multiply by them again.
+        source: the paper (or peer) the definition follows, shown in messages and docs.
+        micro_batch_statistics: the loss picks tokens by statistics of the call's tokens (a covariance over the
+            micro-batch), so its step depends on how the rows are split into micro-batches and ranks.
+
+    Raises:
+        ValueError: ``aggregation`` is unknown, ``name`` is registered already to another function, or ``fn``'s
+            signature or declared ranges do not follow the contract.
     """
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")

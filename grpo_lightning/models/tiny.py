@@ -39,10 +39,15 @@ class TinyModelConfig:
     """Size of the built-in tiny Llama (used when ``model_name_or_path`` is not set)."""
 
     hidden_size: int = 128
+    """Width of the residual stream (the embedding size); ``num_heads`` divides it into heads of an even size."""
     num_layers: int = 4
+    """Decoder layers."""
     num_heads: int = 4
+    """Attention heads per layer (as many key/value heads: no grouped-query attention)."""
     intermediate_size: int = 256
+    """Width of each layer's MLP."""
     max_position_embeddings: int = 128
+    """The context length in tokens: the longest prompt + completion the model takes."""
 
     def __post_init__(self) -> None:
         from grpo_lightning.config import ConfigError

@@ -36,7 +36,17 @@ REWARD_PLUGINS: dict[str, str] = {
 
 
 def register(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator: make ``fn`` available to configs as ``name``."""
+    """Decorator: make a reward function available to configs as ``name`` (``data.rewards: [{name: ...}]``).
+
+    The function follows the contract of the module docstring; the module that registers it must be imported before
+    the config is read (or give the function's import path instead of a name).
+
+    Args:
+        name: the name configs give.
+
+    Raises:
+        ValueError: another function is registered as ``name`` already.
+    """
 
     def decorator(fn: RewardFn) -> RewardFn:
         if name in _REGISTRY and _REGISTRY[name] is not fn:
@@ -54,7 +64,17 @@ def available() -> list[str]:
 
 
 def get(name: str) -> RewardFn:
-    """The reward function registered as ``name``, or importable as ``package.module.function``."""
+    """The reward function a config names.
+
+    Args:
+        name: a registered name (``available()``), or an import path ``package.module.function``.
+
+    Returns:
+        The function, its ``kwargs`` not bound (``RewardSpec.build`` binds them).
+
+    Raises:
+        RewardError: the name is not registered, or the path does not import or is not callable (one line).
+    """
     _load_builtins()
     if name in _REGISTRY:
         return _REGISTRY[name]

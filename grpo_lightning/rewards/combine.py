@@ -32,8 +32,12 @@ class RewardSpec:
     """One term of the reward: a registered name (or import path), its weight and keyword arguments."""
 
     name: str
+    """A registered reward's name (``grpo_lightning.rewards.available()``) or a function's import path
+    ``package.module.function``; it is also the reward's column in the logs (``reward/<name>``)."""
     weight: float = 1.0
+    """Its factor in the completion's total reward, the weighted sum of the terms (any number: negative penalises)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments bound to the function, checked against its parameters before training."""
 
     def build(self, where: str = "data.rewards") -> Callable[..., list]:
         """The function with its ``kwargs`` bound; a key it does not take (``inputs.reward_settings``) is refused

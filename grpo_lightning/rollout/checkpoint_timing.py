@@ -25,7 +25,7 @@ def check_checkpoint_timing(trainer: Trainer, *, lag: int, round_batches: int, h
     fresh rollout (not exactly; Lightning warns).
 
     Lightning's ``ModelCheckpoint`` says when it saves only in private attributes (and the Trainer whether it
-    validates by time): read here as Lightning's own code reads them (README, Lightning internals).
+    validates by time): read here as Lightning's own code reads them (docs/how_it_works.md, Lightning internals).
     """
     if lag < 1:
         return

@@ -37,7 +37,16 @@ if TYPE_CHECKING:
 
 
 class RolloutKind(ABC):
-    """How a round's rows become scored completions (see the module docstring)."""
+    """How a round's rows become scored completions (see the module docstring).
+
+    To add one: subclass it, implement ``rollout`` and override what differs from single-turn sampling (the class
+    attributes declare what the kind gives or needs; the methods are the checks before training, the tokenizer it is
+    bound to, what it holds until the run ends). Its ``__init__`` arguments are its settings
+    (``data.environment: {class_path: my_pkg.MyRollout, init_args: {...}}``). For a multi-turn rollout against an
+    environment that answers each turn, subclass ``integrations.environments.Environment`` instead: it implements
+    ``rollout`` for you. At a rollout lag the kind is pickled into the background process with the rest of
+    ``data``: its settings must pickle.
+    """
 
     gives_rewards: bool = False
     """Scores its rows with reward parts of its own (an environment's, an agent's return): a learning signal
@@ -67,12 +76,31 @@ class RolloutKind(ABC):
         device: torch.device | str = "cpu",
         timings: dict[str, float] | None = None,
     ) -> RolloutBatch:
-        """``params.group_size`` completions or trajectories (one when greedy) for each row of ``rows`` (the
-        ``prompt`` column and the dataset's others), scored by ``scorer``.
+        """``params.group_size`` completions or trajectories (one when greedy) for each row of ``rows``, scored.
 
-        ``return_logprobs`` keeps the engine's log-probs of the sampled tokens (``RolloutBatch.engine_logprobs``).
-        ``timings``, when given, accumulates seconds under ``generate`` and ``score`` (and ``environment``: the
-        part of generating spent outside the engine)."""
+        Sample with ``engine`` (set up and on the current weights: the core pushed them), never by other means: the
+        loss models the engine's distribution. Score through ``scorer`` (``rollout/sample_and_score.py:
+        score_completions`` does it for completions the kind sampled itself), so that reward functions and the
+        kind's own reward parts meet under one rule. The core then computes the advantages, π_old and π_ref.
+
+        Args:
+            rows: the round's rows, by column: ``prompt`` and the dataset's other columns, one value per row.
+            engine: the rollout engine to sample with.
+            encoder: turns the rows' prompts into left-padded ids (``encode_rows``) and completions into text
+                (``decode``).
+            scorer: the round's reward functions, with their settings (on error, time limit).
+            params: what to sample: group size, lengths, temperature, filters (``greedy`` for evaluation).
+            generator: the round's random stream, to pass to ``engine.generate``: a resumed run then samples what
+                an uninterrupted one would have.
+            return_logprobs: keep the engine's log-probs of the sampled tokens (``RolloutBatch.engine_logprobs``).
+            device: where the batch's tensors go.
+            timings: when given, accumulates seconds under ``generate`` and ``score`` (and ``environment``: the
+                part of generating spent outside the engine).
+
+        Returns:
+            The scored rows, ``len(rows["prompt"]) × group_size`` trajectories, a row's group adjacent, in the
+                rows' order (more rows where one trajectory makes several: ``RolloutBatch.trajectory``).
+        """
 
     def reward_weights(self) -> dict[str, float]:
         """Each of the kind's own reward parts' weight, by the part's name (a part not named weighs 1); none by

@@ -1,5 +1,6 @@
-"""The README and docs/*.md cannot drift from the code: the settings, paths, classes, commands and links they name
-are checked against the repository, each problem reported as ``file:line: what``.
+"""The README and every page of the manual (docs/**/*.md, the mkdocs site) cannot drift from the code: the settings,
+paths, classes, commands and links they name are checked against the repository, each problem reported as
+``file:line: what``.
 
 - **Config keys**: ``--model.x`` / ``--data.x`` / ``--trainer.x`` on any command line or in inline code; the
   dotted key that opens an inline code span (``data.sampling.group_size: 16``, with the keys of its YAML value)
@@ -17,7 +18,12 @@ are checked against the repository, each problem reported as ``file:line: what``
   ``pip install 'grpo_lightning[x]'`` (a checkout installs ``-e ".[x]"``), and each extra exists.
 - **Paths** under ``configs/``, ``tools/``, ``docs/``, ``tests/``, ``grpo_lightning/``, ``.ci/`` (and
   ``rollout/round.py``-style paths inside ``grpo_lightning/``) in code and link targets; every ``grpo_lightning.x.Name``
-  and every importable ``class_path`` imports; every relative link's file and ``#anchor`` exist.
+  and every importable ``class_path`` imports; every relative link's file and ``#anchor`` exist: on a docs page
+  the anchors are mkdocs' (``toc``'s slugify, checked against Python-Markdown's own rendering), in the README
+  GitHub's; a docs page links only to pages and files inside docs/ (the site has nothing else: a repository file
+  is named as code, ``configs/quickstart.yaml``, and checked as a path).
+- **The site**: every docs page is in ``mkdocs.yml``'s nav and every nav entry exists; the README stays within
+  ``README_MAX_LINES`` (the manual is the site; ``mkdocs build --strict`` in CI checks the rest, not this suite).
 - **docs/coming_from_trl.md** has a row for each field of TRL's ``GRPOConfig`` and none for a field it lacks.
 
 ``test_the_checker_finds_and_flags`` runs the extractor on a small made-up document: it must find a known key
@@ -33,6 +39,7 @@ import inspect
 import re
 import shlex
 import typing
+import unicodedata
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import cache
@@ -41,11 +48,11 @@ from typing import Any
 
 import pytest
 import yaml
+from helpers import load_tool
 
 from grpo_lightning.renamed_keys import respell
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
 TRL_DOC = "docs/coming_from_trl.md"
 
 # Keys that README rows describe before their code lands (other work in progress). Empty it once they exist:
@@ -73,6 +80,20 @@ LINK_RE = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 FENCE_RE = re.compile(r"^\s*```\s*([\w-]*)")
 
 
+SETTINGS_PAGE = "docs/reference/settings.md"  # written at build time by a hook: in the tree it may be a stub
+README_MAX_LINES = 300
+
+
+def _docs_pages() -> list[str]:
+    """Every page of the site (docs/**/*.md), the settings page left out only while it is a stub with no key."""
+    pages = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md"))
+    stub = (ROOT / SETTINGS_PAGE).is_file() and not re.search(KEY, (ROOT / SETTINGS_PAGE).read_text())
+    return [p for p in pages if not (p == SETTINGS_PAGE and stub)]
+
+
+DOCS = ["README.md", *_docs_pages()]
+
+
 @dataclass
 class Found:
     """What the extractor saw in one document: each item with its ``file:line``."""
@@ -94,7 +115,7 @@ def _lines_of(text: str, offset: int) -> int:
 
 def scan(name: str, text: str) -> Found:
     """Everything ``name`` (a markdown document) says that can be checked, with where it says it."""
-    found = Found(anchors=anchors_of(text))
+    found = Found(anchors=anchors_of(text, github=not name.startswith("docs/")))
     lines = text.splitlines()
     heading, fence, block, block_start = "", None, [], 0
     prose: list[tuple[int, str]] = []  # a paragraph's lines, with their numbers
@@ -369,7 +390,10 @@ def _sections(sft: bool) -> dict[str, type]:
 
 
 def import_object(path: str) -> Any:
-    """The object at a dotted import path (``pkg.module.Name`` or ``pkg.module:name``); raises if none."""
+    """The object at a dotted import path (``pkg.module.Name`` or ``pkg.module:name``); raises if none (also for a
+    placeholder such as ``...``)."""
+    if not re.fullmatch(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*(?::[A-Za-z_]\w*)?", path):
+        raise ModuleNotFoundError(path)
     if ":" in path:
         module, _, name = path.partition(":")
         return getattr(importlib.import_module(module), name)
@@ -518,34 +542,76 @@ def check_param(class_path: str, name: str) -> str | None:
     return None
 
 
-def slug(heading: str) -> str:
-    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+def heading_text(heading: str) -> str:
+    """A heading's text as rendered: inline code, emphasis and link markup dropped, an attr_list ``{...}`` too."""
+    text = re.sub(r"\s*\{[^{}]*\}\s*$", "", heading.strip())
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", text)
+    text = re.sub(r"<[^>]+>", "", text)
+    parts = re.split(r"`([^`]*)`", text)  # odd parts: code spans, kept as they are
+    outside = [re.sub(r"(?<!\w)[*_]{1,2}|[*_]{1,2}(?!\w)", "", part) for part in parts[::2]]
+    parts[::2] = outside
+    return "".join(parts).strip()
 
 
-def anchors_of(text: str) -> set[str]:
-    """The anchors of a markdown document's headings (``#`` lines in code blocks are none)."""
-    seen: dict[str, int] = {}
+def github_slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens (a repeat gets ``-1``)."""
+    return re.sub(r"[^\w\- ]", "", heading_text(heading).lower()).replace(" ", "-")
+
+
+def mkdocs_slug(heading: str) -> str:
+    """mkdocs' anchor of a heading (Python-Markdown ``toc``'s default slugify): accents and every non-ASCII
+    character dropped (``π_old`` is ``_old``), punctuation dropped, runs of spaces and hyphens one hyphen."""
+    text = unicodedata.normalize("NFKD", heading_text(heading)).encode("ascii", "ignore").decode("ascii")
+    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def anchors_of(text: str, github: bool = False) -> set[str]:
+    """The anchors of a markdown document's headings (``#`` lines in code blocks are none), as GitHub makes them
+    (the README) or as mkdocs does (a docs page: a repeated heading gets ``_1``, ``_2``; ``{#id}`` sets one)."""
+    found: list[str] = []
     text = re.sub(r"^\s*```.*?^\s*```", "", text, flags=re.S | re.M)
-    for heading in re.findall(r"^#+\s+(.*)$", text, re.M):
-        base = slug(heading)
-        count = seen.get(base, 0)
-        seen[base] = count + 1
-    return {base if n == 0 else f"{base}-{n}" for base, total in seen.items() for n in range(total)}
+    for heading in re.findall(r"^#+\s+(.*?)\s*#*\s*$", text, re.M):
+        explicit = re.search(r"\{[^{}]*#([\w-]+)[^{}]*\}\s*$", heading)
+        base = explicit.group(1) if explicit else (github_slug if github else mkdocs_slug)(heading)
+        anchor, n = base, 0
+        while anchor in found:
+            n += 1
+            anchor = f"{base}-{n}" if github else f"{base}_{n}"
+        found.append(anchor)
+    return set(found)
 
 
 def check_link(document: str, target: str, own_anchors: set[str]) -> str | None:
+    """A relative link's file and anchor exist; from a docs page, the file is a page or file of the site."""
     if re.match(r"[a-z]+:", target):
         return None  # https:, mailto:
     file, _, anchor = target.partition("#")
     if not file:
         return None if anchor in own_anchors else f"link to a missing anchor {target}"
-    resolved = (ROOT / document).parent / file
+    if file.startswith("/"):
+        return f"absolute link {target}: link relative to the page"
+    resolved = ((ROOT / document).parent / file).resolve()
     if not resolved.exists():
         return f"link to a missing file {target}"
-    if anchor and resolved.suffix == ".md" and anchor not in anchors_of(resolved.read_text()):
+    site = document.startswith("docs/")
+    if site and not resolved.is_relative_to(ROOT / "docs"):
+        return f"link out of docs/ to {target}: not a page of the site; name the file as code (`{file.lstrip('./')}`)"
+    if anchor and resolved.suffix == ".md" and anchor not in page_anchors(resolved, github=not site):
         return f"link to a missing anchor {target}"
     return None
+
+
+def page_anchors(page: Path, github: bool) -> set[str]:
+    """A page's anchors; the settings page's are those of the page the build writes (a key's ``<a id>``)."""
+    if page == ROOT / SETTINGS_PAGE:
+        return set(re.findall(r'<a id="([^"]+)"', _settings_reference()))
+    return anchors_of(page.read_text(), github=github)
+
+
+@cache
+def _settings_reference() -> str:
+    return load_tool("settings_reference").reference()
 
 
 @cache
@@ -660,6 +726,11 @@ trainer:
 See `configs/recipes/{grpo,dapo,nope}.yaml`, `tools/no_such_tool.py`, `rollout/round.py`, [a](#a-made-up-document),
 [b](#no-such-anchor), `data.rewards: [{name: exact_answer, weigth: 1}]`, `pip install 'grpo_lightning[math]'` and
 `pip install -e ".[nope]"`.
+
+## Where π_old comes from
+
+[c](#where-_old-comes-from), [d](#where-π_old-comes-from), [e](../configs/quickstart.yaml),
+[f](losses.md#the-policy-losses), [g](losses.md#no-such-heading).
 """
 
 
@@ -685,6 +756,9 @@ def test_the_checker_finds_and_flags():
         "docs/sample.md:32: unknown key data.rewards.weigth",
         "docs/sample.md:32: `pip install grpo_lightning...`",
         "docs/sample.md:33: no extra 'nope'",
+        "docs/sample.md:37: link to a missing anchor #where-π_old-comes-from",  # GitHub's anchor, not mkdocs'
+        "docs/sample.md:37: link out of docs/ to ../configs/quickstart.yaml",
+        "docs/sample.md:38: link to a missing anchor losses.md#no-such-heading",
     }
     missing = {e for e in expected if not any(f.startswith(e) for f in flagged)}
     extra = [f for f in flagged if not any(f.startswith(e) for e in expected)]
@@ -721,3 +795,55 @@ def test_coming_from_trl_maps_every_grpo_config_field():
     assert not unknown, f"rows for fields GRPOConfig (trl {trl.__version__}) does not have: {unknown}"
     assert not unmapped, f"rows with neither a key of ours nor 'not applicable: <reason>': {unmapped}"
     assert not repeated, f"rows repeated: {repeated}"
+
+
+# ------------------------------------------------------------------------------------------------------ the site
+def _nav_pages(node: Any) -> Iterator[str]:
+    """The page paths of an mkdocs ``nav`` (nested lists of ``{title: page or section}``)."""
+    if isinstance(node, str):
+        yield node
+    elif isinstance(node, list):
+        for item in node:
+            yield from _nav_pages(item)
+    elif isinstance(node, dict):
+        for value in node.values():
+            yield from _nav_pages(value)
+
+
+class _MkdocsLoader(yaml.SafeLoader):
+    """mkdocs.yml's YAML: its ``!!python/name:`` tags (the mermaid fence's formatter) read as their names."""
+
+
+_MkdocsLoader.add_multi_constructor("tag:yaml.org,2002:python/", lambda loader, suffix, node: suffix)
+
+
+def test_every_docs_page_is_in_the_nav_and_every_nav_entry_exists():
+    """mkdocs strict fails on both too; this says so in the suite, without running mkdocs."""
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=_MkdocsLoader)
+    nav = [page for page in _nav_pages(config["nav"]) if not re.match(r"[a-z]+:", page)]
+    pages = sorted(p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md"))
+    assert config["docs_dir"] == "docs" and config["strict"] is True
+    assert not sorted(set(pages) - set(nav)), f"pages left out of mkdocs.yml's nav: {sorted(set(pages) - set(nav))}"
+    assert not sorted(set(nav) - set(pages)), f"nav entries with no page: {sorted(set(nav) - set(pages))}"
+    assert len(nav) == len(set(nav)), "a page listed twice in the nav"
+
+
+def test_the_readme_is_a_first_read():
+    """The README stays a five-minute read: the manual is the site."""
+    lines = len(_read("README.md").splitlines())
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines (at most {README_MAX_LINES}: move the rest to docs/)"
+    )
+
+
+def test_anchors_are_the_ones_mkdocs_makes():
+    """Every heading anchor the link check expects on a docs page is an id Python-Markdown's ``toc`` (mkdocs') gives
+    it, and none is missing: rendered with the extensions of mkdocs.yml that change headings."""
+    markdown = pytest.importorskip("markdown")
+    pytest.importorskip("pymdownx.superfences")
+    for name in [n for n in DOCS if n.startswith("docs/")]:
+        text = _read(name)
+        html = markdown.markdown(text, extensions=["toc", "attr_list", "tables", "pymdownx.superfences"])
+        rendered = set(re.findall(r'<h[1-6][^>]* id="([^"]+)"', html))
+        ours = anchors_of(text)
+        assert ours == rendered, f"{name}: ours only {sorted(ours - rendered)}, mkdocs' only {sorted(rendered - ours)}"

@@ -1,5 +1,5 @@
-"""A fault the user can fix ends the run with one ``error:`` line and the exit status of its kind (README, Exit
-status; ``grpo_lightning/errors.py``), through the CLI's entry point ``main``: a teacher or dataset path that is no
+"""A fault the user can fix ends the run with one ``error:`` line and the exit status of its kind (docs/checkpoints.md,
+Exit status; ``grpo_lightning/errors.py``), through the CLI's entry point ``main``: a teacher or dataset path that is no
 model or dataset (2), a served teacher or a vLLM server that is down (3). The OpenEnv faults (3 and 4) run in
 ``tests/environments/test_openenv_exit_status.py``; a run stopped by non-finite values (1) in
 ``tests/runs/test_crash.py``; bad settings (2) in ``test_bad_inputs.py``.
@@ -134,9 +134,9 @@ def test_a_vllm_server_that_is_down_is_one_line_with_status_3(run):
 
 # --------------------------------------------------------------------------------------------- the docs
 def test_the_readme_and_main_document_each_exit_status():
-    """The README's table and ``main``'s docstring give each error class the status it exits with."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Exit status", 1)[1].split("\n## ", 1)[0]
+    """docs/checkpoints.md's table and ``main``'s docstring give each error class the status it exits with."""
+    page = (ROOT / "docs" / "checkpoints.md").read_text()
+    section = page.split("## Exit status", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| (\d) \| [^|]* \| ([^|]*) \|$", section, flags=re.MULTILINE)
     documented = {name: int(code) for code, names in rows for name in re.findall(r"`(\w+)`", names)}
     assert {name: documented.get(name) for name in EXIT_CODES} == EXIT_CODES

@@ -115,10 +115,10 @@ def test_an_estimator_by_import_path(tmp_path, monkeypatch):
 
 
 def test_the_readmes_estimator_runs_by_import_path(tmp_path, monkeypatch):
-    """The README's example, by import path: (r - mean) / (max - min + eps) in each group; the import registers it
+    """docs/losses.md's example, by import path: (r - mean) / (max - min + eps) in each group; the import registers it
     under its name too."""
-    readme = Path(__file__).resolve().parents[2] / "README.md"
-    section = readme.read_text().split("An estimator of your own", 1)[1]
+    page = Path(__file__).resolve().parents[2] / "docs" / "losses.md"
+    section = page.read_text().split("An estimator of your own", 1)[1]
     (tmp_path / "readme_estimators.py").write_text(re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1))
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("readme_estimators", None)

@@ -1,5 +1,5 @@
 """Where every reward of a group is equal, TRL's advantages are rounding noise and ours exactly 0, as
-docs/coming_from_trl.md and the README say where they claim the match with TRL (``test_gdpo.py``'s cross-check).
+docs/coming_from_trl.md and docs/losses.md say where they claim the match with TRL (``test_gdpo.py``'s cross-check).
 
 TRL 1.16 subtracts a float32 ``nanmean`` that is an ulp off the rewards (0.9 six times) and divides the residue
 by ``std + 1e-4``: in a group that alone gives ~6e-4; under GDPO the batch normalisation divides those residues by
@@ -30,7 +30,7 @@ def test_groups_of_equal_rewards_get_trl_noise_and_exactly_zero_here(aggregation
     assert torch.equal(ours(EQUAL_GROUPS, [1.0], GROUP, aggregation, std="sample"), torch.zeros(6 * GROUP))
 
 
-@pytest.mark.parametrize("page", ["docs/coming_from_trl.md", "README.md"])
+@pytest.mark.parametrize("page", ["docs/coming_from_trl.md", "docs/losses.md"])
 def test_the_docs_say_so_where_they_claim_the_match(page):
     """Each sentence that claims GDPO matches TRL to 1e-6 names the exception (TRL's noise, our exact 0)."""
     text = " ".join((ROOT / page).read_text().split())

@@ -235,11 +235,28 @@ class Environment(RolloutKind):
 
     @abstractmethod
     def reset(self, row: dict[str, Any]) -> str | None:
-        """Start a trajectory from a dataset row (``prompt`` and the other columns); the first observation or None."""
+        """Start a trajectory (called on this trajectory's own copy, ``spawn``, once ``setup``).
+
+        Args:
+            row: the dataset row: ``prompt`` and the other columns (those ``required_columns`` names are checked
+                before training).
+
+        Returns:
+            The first observation, appended after the prompt before the first policy turn, or None for none.
+        """
 
     @abstractmethod
     def step(self, turn: str) -> Step:
-        """Answer the policy's turn ``turn`` (its decoded text, special tokens left out)."""
+        """Answer one policy turn (every turn but the last: the trajectory's final turn is scored, not answered).
+
+        Args:
+            turn: the turn's decoded text, special tokens left out; it ends at an end token, at one of
+                ``stop_texts`` (kept) or at the turn's length limit.
+
+        Returns:
+            The observation to append (fit it with ``fit_observation``), this turn's reward parts and metrics,
+                and whether the trajectory is over.
+        """
 
 
 def check_environment(environment: Any) -> RolloutKind | None:

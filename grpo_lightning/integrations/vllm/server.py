@@ -1,7 +1,7 @@
 """The ``vllm_server`` engine: generation on running vLLM servers (their own GPUs or machines), weights pushed to
 them after every update.
 
-Each server is a plain ``vllm serve`` (README, "vLLM servers"); this engine is its client:
+Each server is a plain ``vllm serve`` (docs/vllm.md, "vLLM servers"); this engine is its client:
 
 - **Generation.** Each prompt goes to one server as token ids (``/v1/completions``, ``n`` = G, a seed drawn from
   the round's generator, every sampling setting sent explicitly so that none of the model's generation defaults
