@@ -118,6 +118,27 @@ class ScheduleConfig:
     """CPU threads of the background process (default half of this process's; the update keeps the rest)."""
     rollout_timeout_s: float = 1800.0
     """The longest wait for the background process (its start, or one round)."""
+    partial_rollouts: bool = False
+    """Partial rollouts (``rollout/partial.py``, with ``rollout_lag`` 1): after each weight push the background
+    process decodes every unfinished sequence ``tokens_per_push`` tokens further under the new weights, so no round
+    waits for its slowest sequence; each token keeps the version and the behaviour log-prob it was drawn with, and a
+    group reaches the trainer as soon as its G sequences have ended. With ``interrupt: tokens``, deterministic: a
+    function of (seed, settings). See docs/partial_rollouts.md."""
+    max_staleness: int = 4
+    """η, with ``partial_rollouts``: round k admits a group only if its oldest token was drawn by the weights of
+    round k − η or later (AReaL's ``max_head_offpolicyness``); older ones are handled as ``stale_groups`` says.
+    At least ⌈max_new_tokens / tokens_per_push⌉ (the pushes a longest sequence spans), so none is always dropped."""
+    tokens_per_push: int | None = None
+    """With ``partial_rollouts``: the most tokens a sequence decodes under one weights version (one segment); null:
+    ⌈data.sampling.max_new_tokens / 4⌉."""
+    stale_groups: Literal["drop", "resample"] = "drop"
+    """With ``partial_rollouts``, a group older than ``max_staleness``: ``drop`` (counted in ``rollout/stale_groups``)
+    or ``resample`` (its prompt is sampled afresh, first in the next segment)."""
+    interrupt: Literal["tokens", "clock"] = "tokens"
+    """With ``partial_rollouts``, what ends the decoding under one weights version: ``tokens`` (one segment of
+    ``tokens_per_push`` per push: deterministic) or ``clock`` (segments back to back until the next push arrives:
+    more tokens per push when the update is slower than a segment, and a run that depends on timing, not
+    reproducible)."""
 
     def __post_init__(self) -> None:
         # The numeric ranges are ``config_checks.SETTING_RANGES``' (the CLI checks them before anything is built).
@@ -126,6 +147,15 @@ class ScheduleConfig:
                 "data.schedule.off_policy_correction must be decoupled, behaviour or none "
                 f"(got {self.off_policy_correction!r})"
             )
+        if self.interrupt not in ("tokens", "clock"):
+            raise ConfigError(f"data.schedule.interrupt must be tokens or clock (got {self.interrupt!r})")
+        if self.stale_groups not in ("drop", "resample"):
+            raise ConfigError(f"data.schedule.stale_groups must be drop or resample (got {self.stale_groups!r})")
+
+    def segment_tokens(self, max_new_tokens: int) -> int:
+        """The tokens a sequence decodes per push with ``partial_rollouts``: ``tokens_per_push``, or
+        ⌈max_new_tokens / 4⌉ where null."""
+        return self.tokens_per_push if self.tokens_per_push is not None else max(1, -(-max_new_tokens // 4))
 
 
 @dataclass

@@ -34,6 +34,10 @@ def _at_least(low: float, null: bool = False) -> Callable[[Any], bool]:
     return lambda v: (null and v is None) or (_number(v) and v >= low)
 
 
+def _integer_at_least(low: int, null: bool = False) -> Callable[[Any], bool]:
+    return lambda v: (null and v is None) or (isinstance(v, int) and not isinstance(v, bool) and v >= low)
+
+
 def _above(low: float, null: bool = False) -> Callable[[Any], bool]:
     return lambda v: (null and v is None) or (_number(v) and v > low)
 
@@ -54,12 +58,14 @@ SETTING_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data.update.micro_batch_size": (_at_least(1, null=True), ">= 1, or null for the whole mini-batch"),
     "data.eval.batch_size": (_at_least(1), ">= 1"),
     "data.eval.limit": (_at_least(0, null=True), ">= 0, or null for all held-out prompts"),
-    "data.schedule.rollout_lag": (
-        lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-        "an integer >= 0",
-    ),
+    "data.schedule.rollout_lag": (_integer_at_least(0), "an integer >= 0"),
     "data.schedule.rollout_threads": (_at_least(1, null=True), ">= 1, or null for half of this process's threads"),
     "data.schedule.rollout_timeout_s": (_above(0), "> 0"),
+    "data.schedule.max_staleness": (_integer_at_least(1), "an integer >= 1"),
+    "data.schedule.tokens_per_push": (
+        _integer_at_least(1, null=True),
+        "an integer >= 1, or null for a quarter of max_new_tokens",
+    ),
     "trainer.accumulate_grad_batches": (_at_least(1), ">= 1"),
     "trainer.gradient_clip_val": (_at_least(0, null=True), ">= 0, or null for no clipping"),
     "trainer.check_val_every_n_epoch": (_at_least(1, null=True), ">= 1, or null"),
@@ -175,6 +181,46 @@ def check_round_settings(*, engine: Any, update: UpdateConfig, schedule: Schedul
         raise ConfigError(
             f"data.update.old_logprobs: sampler takes π_old from the {engine.name} engine, whose log-probs are not "
             "the trainer's; use auto or recompute (the ratio needs the trainer's π_old)"
+        )
+
+
+def check_partial_rollouts(
+    schedule: ScheduleConfig, *, sampling: SamplingConfig, engine: Any, environment: bool
+) -> None:
+    """Refuse, in one line before training, what ``data.schedule.partial_rollouts`` cannot take (yet): no background
+    process, another lag, an engine that cannot continue a sequence under new weights, multi-turn rollouts, dynamic
+    sampling, and a staleness bound that the longest sequence always exceeds. (A curriculum is refused at any lag:
+    ``check_round_settings``.)"""
+    if not schedule.partial_rollouts:
+        return
+    if schedule.rollout_lag != 1:
+        raise ConfigError(
+            f"data.schedule.partial_rollouts runs in the background process one segment per weight push: set "
+            f"data.schedule.rollout_lag: 1 (got {schedule.rollout_lag}; max_staleness bounds how old a group may be)"
+        )
+    if not engine.supports_partial_rollouts:
+        raise ConfigError(
+            f"data.engine {engine.name} cannot continue a sequence under new weights with data.schedule."
+            "partial_rollouts (not done yet): use the lean or transformers engine, or partial_rollouts: false"
+        )
+    if environment:
+        raise ConfigError(
+            "data.environment (multi-turn rollouts, agents) does not combine with data.schedule.partial_rollouts yet: "
+            "set data.environment: null, or partial_rollouts: false"
+        )
+    if sampling.dynamic_sampling:
+        raise ConfigError(
+            "data.sampling.dynamic_sampling does not combine with data.schedule.partial_rollouts yet (groups arrive "
+            "one by one, not as draws to refill): set one of them false"
+        )
+    # (their ranges, integers >= 1: SETTING_RANGES, checked when the config is read)
+    budget = schedule.segment_tokens(sampling.max_new_tokens)
+    pushes = -(-sampling.max_new_tokens // budget)
+    if schedule.max_staleness < pushes:
+        raise ConfigError(
+            f"data.schedule.max_staleness {schedule.max_staleness} is below the {pushes} pushes a sequence of "
+            f"data.sampling.max_new_tokens {sampling.max_new_tokens} spans at tokens_per_push {budget}: every such "
+            f"sequence would be dropped; set max_staleness >= {pushes} or a larger tokens_per_push"
         )
 
 

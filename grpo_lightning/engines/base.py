@@ -154,6 +154,10 @@ class RolloutEngine(ABC):
     supports_continuation: bool = False
     """``generate`` takes ``session=`` (from ``open_session``): each row then continues from the keys and values
     kept at the session's previous call, prefilling only its new tokens (``engines/continuation.py``)."""
+    supports_partial_rollouts: bool = False
+    """An unfinished sequence can continue under new weights (``data.schedule.partial_rollouts``): ``generate`` from
+    its prompt + tokens so far re-prefills that prefix on the weights it holds now, and keeps no cache between calls
+    (``lean``, ``transformers``). An engine with a prefix cache (vLLM) must drop it at each push first: not yet."""
     takes_images: bool = False
     """``generate`` takes ``vision=``: a vision-language model's images for each prompt (``grpo_lightning/vision``)."""
     takes_row_inputs: bool = False

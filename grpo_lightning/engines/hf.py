@@ -76,6 +76,7 @@ class TransformersEngine(RolloutEngine):
     takes_images = True  # generate(vision=...): a vision-language model's images (its modality's inputs)
     takes_row_inputs = True  # any modality's: Modality.generation_inputs
     supports_continuation = True
+    supports_partial_rollouts = True
     follows_token_types = True  # generate() makes them as the passes do (the image modality's generation_inputs)
 
     def generation_config(self, params: SamplingParams, group_size: int) -> GenerationConfig:

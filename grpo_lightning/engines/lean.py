@@ -220,6 +220,7 @@ class LeanEngine(RolloutEngine):
     name = "lean"
     shares_weights = True
     supports_continuation = True
+    supports_partial_rollouts = True
 
     def __init__(self, lean_forward: bool = True) -> None:
         """

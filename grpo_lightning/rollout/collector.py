@@ -37,6 +37,7 @@ from grpo_lightning.lora import is_peft_model
 from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.rollout.kind import RolloutKind
+from grpo_lightning.rollout.partial import PartialSettings
 from grpo_lightning.rollout.policy_side import PolicySide
 from grpo_lightning.rollout.prompts import PromptEncoder
 from grpo_lightning.rollout.round import RoundSettings, SampledRound, finish_round, sample_round
@@ -94,8 +95,11 @@ class RolloutCollector:
         self.plan = plan_update(update, prompts_per_round=prompts_per_round, group_size=sampling.group_size)
         self.seed = seed
         lag = schedule.rollout_lag
+        partial = PartialSettings.of(schedule, sampling, prompts_per_round) if schedule.partial_rollouts else None
         self.background = (
-            BackgroundRollouts(lag, self.engine, schedule.rollout_threads, schedule.rollout_timeout_s) if lag else None
+            BackgroundRollouts(lag, self.engine, schedule.rollout_threads, schedule.rollout_timeout_s, partial)
+            if lag
+            else None
         )
         self.generator: torch.Generator | None = None  # this rank's sampling stream (made at first use)
         self._generator_state: Tensor | None = None  # restored from a checkpoint, applied at first use
@@ -131,6 +135,11 @@ class RolloutCollector:
                 "set data.sampling.dynamic_sampling false with data.sampling.group_size 1"
             )
         policy.modality.check_run(self.engine, self.environment)
+        if self.schedule.partial_rollouts and policy.modality.has_row_inputs:
+            raise ConfigError(
+                f"data.schedule.partial_rollouts does not take a {policy.modality.name} model's rows yet: set "
+                "partial_rollouts: false"
+            )
         if not self.scorer.specs and not self.environment.gives_rewards and policy.distillation_weight is None:
             raise ConfigError(
                 "data.rewards is empty and neither model.teacher nor data.environment gives a learning signal: "
@@ -219,6 +228,7 @@ class RolloutCollector:
             rollout.metrics["time/weight_sync"] = push_s
         if self.background is not None:
             rollout.metrics["rollout/lag"] = float(round_index - sampled.version)
+            rollout.metrics.update(sampled.metrics)  # partial rollouts: ages, segments, stale groups
         batches = rollout.micro_batches(  # 8. μ shuffled passes × mini-batches (steps) × micro-batches (forwards)
             self.plan,
             generator=torch.Generator().manual_seed(self.seed + prompts.stream.position),

@@ -36,7 +36,7 @@ from grpo_lightning.config import (
     ScheduleConfig,
     UpdateConfig,
 )
-from grpo_lightning.config_checks import check_ranges, check_round_settings
+from grpo_lightning.config_checks import check_partial_rollouts, check_ranges, check_round_settings
 from grpo_lightning.engines import RolloutEngine
 from grpo_lightning.rewards import RewardSpec
 from grpo_lightning.rewards.scorer import Scorer
@@ -159,6 +159,9 @@ class RolloutDataModule(PromptData, LightningDataModule):
             update=self.update,
             schedule=self.schedule,
             curriculum=curriculum is not None,
+        )
+        check_partial_rollouts(
+            self.schedule, sampling=self.sampling, engine=self.collector.engine, environment=environment is not None
         )
         self.prompts_per_round, self.seed = prompts_per_round, seed
         self.curriculum = CurriculumSampler(curriculum, seed) if curriculum is not None else None

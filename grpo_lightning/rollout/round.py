@@ -121,6 +121,8 @@ class SampledRound:
     timings: dict[str, float] = field(default_factory=dict)
     version: int = 0
     """The weights that sampled it: the number of rounds trained when they were taken (``rollout/schedule.py``)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """What its schedule logs of it beside the round's own metrics (partial rollouts: ages, segments, stale groups)."""
 
 
 def run_round(

@@ -14,14 +14,18 @@ round k updates, the rollouts of the next rounds are sampled in the background (
 The worker samples one round at a time, in order, so at most the newest round is in flight. A checkpoint is taken
 at a round boundary after a drain: it holds the finished rollouts of rounds k … k + L − 1 and where the prompt
 stream stands, which is everything a resumed run needs to train on exactly what an uninterrupted one would.
+
+``PartialSchedule`` is the schedule of ``data.schedule.partial_rollouts`` (``rollout/partial.py``): sequences that
+continue across pushes, and groups admitted into a round by their age.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -30,9 +34,24 @@ from torch import Tensor
 from grpo_lightning.engines.base import RolloutEngine
 from grpo_lightning.engines.weights import policy_weights
 from grpo_lightning.modality import TEXT, Modality, modality_class
+from grpo_lightning.rollout.partial import (
+    PartialSettings,
+    Pool,
+    ReadyGroups,
+    SegmentPlan,
+    admit,
+    discard_stale,
+    plain_pool,
+    plain_ready,
+    pool_from_plain,
+    queued_groups,
+    ready_from_plain,
+)
 from grpo_lightning.rollout.round import SampledRound
 from grpo_lightning.rollout.stream import PromptStream
 from grpo_lightning.rollout.worker import RolloutWorker, WorkerSpec
+
+log = logging.getLogger(__name__)
 
 
 class RolloutSchedule:
@@ -117,9 +136,138 @@ class RolloutSchedule:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state_dict``'s output; a worker already running is stopped (it holds other state)."""
         self.close()
+        if state.get("partial"):
+            log.warning("the checkpoint's rollouts were partial: its groups in flight and queued are dropped")
         self.ready = {int(k): _sampled(v) for k, v in state.get("ready", {}).items()}
         self.next_launch = int(state.get("next_launch", 0))
         self.position = state.get("position")
+
+
+class PartialSchedule:
+    """Partial rollouts' bookkeeping (``data.schedule.partial_rollouts``, ``rollout/partial.py``): the pool in flight,
+    the queue of scored groups, the one segment the worker runs at a time. The same surface as ``RolloutSchedule``.
+
+    Round k: collect the segment in flight (launched at round k − 1), push version k, drop (or resample) the groups
+    too stale for round k, run further segments under version k while fewer than N groups wait (the trainer waits
+    on each), admit the first N, and launch the next segment under version k (it runs during round k's update).
+    A checkpoint, at a round boundary, collects the segment in flight first and holds the pool, the queue, the next
+    segment's index and the stream position: a resumed run then runs the very segments an uninterrupted one does.
+    """
+
+    def __init__(self, settings: PartialSettings) -> None:
+        self.settings = settings
+        self.pool = Pool()
+        self.queue: list[ReadyGroups] = []
+        self.segment = 0  # the next segment's index: its seed (``worker.round_seed``)
+        self.pending: list[int] = []  # the segment in flight (at most one)
+        self.position: int | None = None  # the prompt stream after the last collected segment
+        self.worker: RolloutWorker | None = None
+        self._counts = _SegmentCounts()
+
+    def take(
+        self,
+        round_index: int,
+        *,
+        start_worker: Callable[[int | None], RolloutWorker],
+        weights: Callable[[], dict[str, Tensor]],
+    ) -> SampledRound:
+        """Round ``round_index``'s rollout (the class docstring); ``start_worker`` and ``weights`` as for
+        ``RolloutSchedule.take``."""
+        self.drain()
+        if self.worker is None:
+            self.worker = start_worker(self.position)
+        self.worker.push(weights(), round_index)
+        self._counts.stale += discard_stale(self.pool, self.queue, round_index, self.settings)
+        while queued_groups(self.queue) < self.settings.groups_per_round:  # the trainer waits for these
+            self._launch(round_index)
+            self.drain()
+            self._counts.waited += 1
+        sampled, _ = admit(self.queue, round_index, self.settings)
+        sampled.metrics.update(self._counts.metrics(self.pool, self.queue))
+        sampled.timings.update(self._counts.timings)
+        self._counts = _SegmentCounts()
+        self._launch(round_index)
+        return sampled
+
+    def _launch(self, version: int) -> None:
+        plan = SegmentPlan(self.segment, version, queued_groups(self.queue), self.settings)
+        self.worker.submit_segment(plan, self.pool)
+        self.pending.append(self.segment)
+        self.segment += 1
+
+    def drain(self) -> None:
+        """Wait for the segment in flight (bounded by the worker) and take in what it left; with ``interrupt:
+        clock``, after telling the worker to stop at the end of the segment it is decoding."""
+        if self.pending and self.settings.clock:
+            self.worker.interrupt()
+        while self.pending:
+            finished = self.worker.collect()
+            expected = self.pending.pop(0)
+            if finished.index != expected:
+                raise RuntimeError(f"the rollout worker finished segment {finished.index}, segment {expected} was due")
+            self.pool, self.position = finished.pool, finished.position
+            self.segment = max(self.segment, finished.index + finished.segments)  # clock mode: several
+            self._counts.segments += finished.segments
+            for ready in finished.ready:
+                self.queue.append(ready)
+                for phase, seconds in ready.sampled.timings.items():
+                    self._counts.timings[phase] = self._counts.timings.get(phase, 0.0) + seconds
+
+    def close(self) -> None:
+        """Stop the worker; the segment in flight is lost (a checkpoint collects it first)."""
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+        self.pending = []
+
+    def reset(self) -> None:
+        """Forget the pool and the queue (the run is over: its checkpoint holds what a resume needs)."""
+        self.close()
+        self.pool, self.queue, self.segment, self.position = Pool(), [], 0, None
+
+    def state_dict(self, modality: Modality = TEXT) -> dict[str, Any]:
+        """The pool, the queue, the next segment and the stream position, after collecting the segment in flight."""
+        self.drain()
+        return {
+            "partial": True,
+            "pool": plain_pool(self.pool),
+            "queue": [plain_ready(ready, lambda sampled: _plain(sampled, modality)) for ready in self.queue],
+            "segment": self.segment,
+            "position": self.position,
+            "counts": asdict(self._counts),  # what the next round logs of the segments before it
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state_dict``'s output (a checkpoint of a fixed lag, or none: afresh from the stream)."""
+        self.close()
+        if state and not state.get("partial"):
+            log.warning("the checkpoint's rollouts were sampled at a fixed lag: partial rollouts start afresh")
+            state = {"position": state.get("position")}
+        self.pool = pool_from_plain(state.get("pool", {}))
+        self.queue = [ready_from_plain(plain, _sampled) for plain in state.get("queue", [])]
+        self.segment = int(state.get("segment", 0))
+        self.position = state.get("position")
+        self._counts = _SegmentCounts(**state.get("counts", {}))
+
+
+@dataclass
+class _SegmentCounts:
+    """What happened between two rounds: segments collected, those the trainer waited for, groups too stale, the
+    segments' generation and scoring seconds."""
+
+    segments: int = 0
+    waited: int = 0
+    stale: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def metrics(self, pool: Pool, queue: list[ReadyGroups]) -> dict[str, float]:
+        return {
+            "rollout/segments": float(self.segments),
+            "rollout/segments_waited": float(self.waited),
+            "rollout/stale_groups": float(self.stale),
+            "rollout/groups_in_flight": float(len(pool.groups)),
+            "rollout/groups_queued": float(queued_groups(queue)),
+        }
 
 
 def _plain(sampled: SampledRound, modality: Modality) -> dict[str, Any]:
@@ -152,8 +300,16 @@ class BackgroundRollouts:
     for the update, put back when the run ends. On a GPU both sides run on the device; the threads matter little.
     """
 
-    def __init__(self, lag: int, engine: RolloutEngine, threads: int | None, timeout_s: float) -> None:
-        self.schedule = RolloutSchedule(lag)
+    def __init__(
+        self,
+        lag: int,
+        engine: RolloutEngine,
+        threads: int | None,
+        timeout_s: float,
+        partial: PartialSettings | None = None,
+    ) -> None:
+        """``partial``: partial rollouts' settings (``data.schedule.partial_rollouts``; None: a fixed lag)."""
+        self.schedule = RolloutSchedule(lag) if partial is None else PartialSchedule(partial)
         self.engine = copy.deepcopy(engine)  # a fresh one for the worker, set up there (never here)
         self.threads, self.timeout_s = threads, timeout_s
         self._threads_before: int | None = None

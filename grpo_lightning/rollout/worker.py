@@ -11,7 +11,9 @@ limits of rewards and tools work) and its own torch thread count. It holds
 and runs ``rollout.round.sample_round`` (generate, score, filter: DAPO's refill draws included) for one round at a
 time, in the order they were submitted. Round j is sampled from (the weights it was last pushed, the stream where
 the previous round left it, round j's own seed: ``round_seed``), so two runs give the same rollouts whatever the
-machine's load, and a resumed run the same as an uninterrupted one.
+machine's load, and a resumed run the same as an uninterrupted one. With ``data.schedule.partial_rollouts`` it runs
+segments instead of rounds (``rollout/partial.py: run_segment``): the pool it is sent, decoded one token budget
+further under the weights it was last pushed, from the segment's own seed.
 
 Every wait of the trainer on it is bounded and checks that it is alive; an exception in it is raised in the
 trainer (the same exception where it can be sent, with the worker's traceback). It ends with the trainer, also
@@ -29,6 +31,7 @@ import random
 import signal
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +42,7 @@ from torch import Tensor
 from grpo_lightning.config import ConfigError
 from grpo_lightning.engines.base import RolloutEngine
 from grpo_lightning.rewards.scorer import Scorer
+from grpo_lightning.rollout.partial import Pool, ReadyGroups, SegmentPlan, run_segments
 from grpo_lightning.rollout.prompts import PromptEncoder
 from grpo_lightning.rollout.round import RoundSettings, SampledRound, sample_round
 from grpo_lightning.rollout.stream import PromptStream
@@ -82,6 +86,19 @@ class Finished:
     position: int
 
 
+@dataclass
+class FinishedSegment:
+    """A segment of partial rollouts the worker ran (``rollout/partial.py``), or several with ``interrupt: clock``:
+    the pool after them, the groups that ended (one entry per segment that ended some), the stream position."""
+
+    index: int
+    pool: Pool
+    ready: list[ReadyGroups]
+    position: int
+    segments: int = 1
+    """Segments run (more than one with ``interrupt: clock``), from ``index`` on."""
+
+
 def round_seed(seed: int, rank: int, round_index: int) -> int:
     """The seed of round ``round_index`` on ``rank``: its sampling generator and the worker's global RNGs during
     it (rewards may draw from them). A function of the round alone: no round's draws depend on another's."""
@@ -119,8 +136,18 @@ class RolloutWorker:
         """Sample and score round ``round_index`` after the rounds submitted before it."""
         self.requests.put(("sample", round_index))
 
-    def collect(self) -> Finished:
-        """The next finished round, in submission order."""
+    def submit_segment(self, plan: SegmentPlan, pool: Pool) -> None:
+        """Run one segment of partial rollouts on ``pool`` (``rollout/partial.py: run_segment``), after the requests
+        before it; its ``FinishedSegment`` is collected like a round."""
+        self.requests.put(("segment", plan, pool))
+
+    def interrupt(self) -> None:
+        """End a clock-mode run of segments (``interrupt: clock``) after the segment it is decoding: a request in the
+        queue is what it waits for. Nothing else reads it."""
+        self.requests.put(("interrupt",))
+
+    def collect(self) -> Any:
+        """The next finished round (``Finished``) or segment (``FinishedSegment``), in submission order."""
         return self._receive("done", self.timeout_s)
 
     def close(self) -> None:
@@ -196,6 +223,8 @@ def _serve(spec: WorkerSpec, requests: Any, results: Any, parent: int) -> None:
         try:
             if message[0] == "stop":
                 return
+            if message[0] == "interrupt":  # it ended a clock-mode run of segments by being in the queue
+                continue
             if message[0] == "weights":
                 _, version, weights = message
                 if spec.engine.remote:  # the trainer pushed these weights to the servers itself, as this version
@@ -205,6 +234,9 @@ def _serve(spec: WorkerSpec, requests: Any, results: Any, parent: int) -> None:
                     spec.engine.load_weights(model, version)
             elif message[0] == "sample":
                 results.put(("done", _pack(_sample(spec, encoder, message[1]))))
+            elif message[0] == "segment":
+                keep_going = requests.empty  # clock: until the next push (or stop) is in the queue
+                results.put(("done", _pack(_segment(spec, encoder, message[1], message[2], keep_going))))
         except BaseException as err:  # noqa: BLE001 - reported to the trainer, which raises it
             results.put(("error", _pack(_sendable(err))))
             return
@@ -223,8 +255,11 @@ def _build_model(spec: WorkerSpec) -> torch.nn.Module:
     return model.eval().requires_grad_(False)
 
 
-def _sample(spec: WorkerSpec, encoder: PromptEncoder, round_index: int) -> Finished:
-    seed = round_seed(spec.seed, spec.rank, round_index)
+@contextlib.contextmanager
+def _seeded(spec: WorkerSpec, index: int) -> Iterator[torch.Generator]:
+    """Round (or segment) ``index``'s draws: the global RNGs seeded and its sampling generator (``round_seed``), the
+    scorer's trainer state at the version sampled from, generation under the trainer's autocast."""
+    seed = round_seed(spec.seed, spec.rank, index)
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -237,6 +272,11 @@ def _sample(spec: WorkerSpec, encoder: PromptEncoder, round_index: int) -> Finis
     version = int(spec.engine.weights_version or 0)  # the rounds the sampling policy was trained for
     spec.scorer.trainer_state.update(version * spec.settings.optimizer_steps, version)
     with autocast:
+        yield generator
+
+
+def _sample(spec: WorkerSpec, encoder: PromptEncoder, round_index: int) -> Finished:
+    with _seeded(spec, round_index) as generator:
         sampled = sample_round(
             lambda: spec.stream.next_rows(spec.data, spec.rank, spec.world_size),
             engine=spec.engine,
@@ -249,6 +289,25 @@ def _sample(spec: WorkerSpec, encoder: PromptEncoder, round_index: int) -> Finis
     sampled.version = int(spec.engine.weights_version or 0)
     sampled.batch = sampled.batch.to("cpu")
     return Finished(round_index, sampled, spec.stream.position)
+
+
+def _segment(
+    spec: WorkerSpec, encoder: PromptEncoder, plan: SegmentPlan, pool: Pool, keep_going: Callable[[], bool]
+) -> FinishedSegment:
+    with _seeded(spec, plan.index) as generator:  # clock mode's later segments continue this generator
+        ready, segments = run_segments(
+            pool,
+            plan,
+            keep_going=keep_going,
+            next_rows=lambda: spec.stream.next_rows(spec.data, spec.rank, spec.world_size),
+            engine=spec.engine,
+            encoder=encoder,
+            scorer=spec.scorer,
+            settings=spec.settings,
+            generator=generator,
+            device=spec.device,
+        )
+    return FinishedSegment(plan.index, pool, ready, spec.stream.position, segments)
 
 
 def _pack(payload: Any) -> bytes:

@@ -28,6 +28,8 @@ RANGE_CASES = {
     "data.schedule.rollout_lag": (-1, 0),
     "data.schedule.rollout_threads": (0, None),
     "data.schedule.rollout_timeout_s": (0, 0.5),
+    "data.schedule.max_staleness": (0, 1),
+    "data.schedule.tokens_per_push": (0, None),
     "trainer.accumulate_grad_batches": (0, 1),
     "trainer.gradient_clip_val": (-0.5, 0.0),
     "trainer.check_val_every_n_epoch": (0, None),
