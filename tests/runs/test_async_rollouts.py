@@ -105,7 +105,8 @@ def assert_same_tensors(reference, resumed):
 
 # Lag 2 holds two rounds sampled ahead in the checkpoint, lag 1's case and more; lag 1 resumed exactly through the
 # command line, at the default threads: test_determinism.py.
-@pytest.mark.parametrize("lag", [0, 2])
+# lag 2 takes half a minute: the slow tier (pytest -m slow, run by .ci/run)
+@pytest.mark.parametrize("lag", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_round_k_trains_on_version_k_minus_the_lag_and_three_plus_three_rounds_equal_six(tmp_path, lag):
     """``test_resume``'s recipe (a reward reading every global RNG, adaptive β, a moving reference, warm-up) with an
     engine that signs each completion with its weights: in the uninterrupted run and in one stopped after 3 rounds
@@ -182,6 +183,7 @@ def hangs(prompts, completions, **_):
     time.sleep(3600)
 
 
+@pytest.mark.slow  # about half a minute (pytest -m slow, run by .ci/run)
 def test_a_worker_that_dies_or_hangs_is_reported_not_waited_for(tmp_path):
     module, data = GRPOModule(tiny_model=TINY), lagged(schedule=ScheduleConfig(rollout_lag=1, rollout_timeout_s=3))
 
@@ -289,6 +291,7 @@ def behaviour_weights_at_a_lag(tmp_path, engine):
     return rollout, weights, {k: v.item() for k, v in metrics.items()}, trainer.callback_metrics
 
 
+@pytest.mark.slow  # about half a minute (pytest -m slow, run by .ci/run)
 def test_a_perturbed_sampler_raises_the_mismatch_and_pulls_weights_below_one_where_it_overrates(tmp_path):
     _, _, faithful, faithful_logged = behaviour_weights_at_a_lag(tmp_path / "faithful", LeanEngine())
     rollout, weights, noisy, noisy_logged = behaviour_weights_at_a_lag(tmp_path / "noisy", NoisyEngine())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from PIL import Image
 
@@ -43,6 +44,7 @@ def saved(root: Path) -> dict:
     return torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
 
 
+@pytest.mark.slow  # about 40 s (pytest -m slow, run by .ci/run)
 def test_three_plus_three_rounds_at_lag_one_equal_six_for_the_vision_config(tmp_path):
     fit(tmp_path / "six", 6)
     fit(tmp_path / "split", 3)
