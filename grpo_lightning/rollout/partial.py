@@ -420,8 +420,7 @@ def staleness_metrics(
 
 def plain_ready(ready: ReadyGroups, plain_sampled: Callable[[SampledRound], dict[str, Any]]) -> dict[str, Any]:
     """``ready`` as plain data for a checkpoint; ``plain_sampled`` writes its rows (``schedule._plain``)."""
-    plain = {f: getattr(ready, f) for f in ("numbers", "oldest", "rows", "versions", "segments", "pad_token_id")}
-    return {**plain, "sampled": plain_sampled(ready.sampled)}
+    return {**vars(ready), "sampled": plain_sampled(ready.sampled)}  # every field; the rows as plain data
 
 
 def ready_from_plain(plain: dict[str, Any], sampled: Callable[[dict[str, Any]], SampledRound]) -> ReadyGroups:
