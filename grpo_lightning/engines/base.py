@@ -156,8 +156,10 @@ class RolloutEngine(ABC):
     kept at the session's previous call, prefilling only its new tokens (``engines/continuation.py``)."""
     supports_partial_rollouts: bool = False
     """An unfinished sequence can continue under new weights (``data.schedule.partial_rollouts``): ``generate`` from
-    its prompt + tokens so far re-prefills that prefix on the weights it holds now, and keeps no cache between calls
-    (``lean``, ``transformers``). An engine with a prefix cache (vLLM) must drop it at each push first: not yet."""
+    its prompt + tokens so far prefills that prefix on the weights it holds now, never on keys and values an earlier
+    version computed. ``lean`` and ``transformers`` keep no cache between calls; the vLLM engines keep a prefix cache
+    (keyed by token ids alone) and clear it at every push (``load_weights``), so a context longer than a KV block
+    is recomputed on the new weights too."""
     takes_images: bool = False
     """``generate`` takes ``vision=``: a vision-language model's images for each prompt (``grpo_lightning/vision``)."""
     takes_row_inputs: bool = False

@@ -58,6 +58,8 @@ class VLLMEngine(RolloutEngine):
 
     name = "vllm"
     shares_weights = False
+    # A continued sequence is a prompt like any other; every push clears the prefix cache first (``load_weights``)
+    supports_partial_rollouts = True
     takes_images = (
         True  # generate(vision=...): each prompt's images and unexpanded ids (integrations/vision/vllm_inputs.py)
     )
@@ -278,7 +280,7 @@ class VLLMEngine(RolloutEngine):
                 "data.engine.init_args.max_model_len or lower data.sampling.max_new_tokens"
             )
         group = 1 if params.greedy else params.group_size
-        min_new = 0 if params.greedy else params.min_new_tokens
+        min_new = request_min_tokens(params)
         seeds = (
             torch.randint(2**31 - 1, (len(prompts),), generator=generator, device=generator.device)
             if (generator is not None)
@@ -332,6 +334,14 @@ class VLLMEngine(RolloutEngine):
 
 
 # ------------------------------------------------------------------------------------------------- helpers
+def request_min_tokens(params: SamplingParams) -> int:
+    """vLLM's ``min_tokens`` for ``params`` (both vLLM engines): the EOS ban, at most ``max_new_tokens``. vLLM refuses
+    a request whose ``min_tokens`` exceeds its ``max_tokens``, and a partial rollout's segment asks for exactly that
+    when ``min_new_tokens`` is longer than ``tokens_per_push`` (a ban that outlasts the segment): capped, the request
+    bans every end id throughout, as asked."""
+    return 0 if params.greedy else min(params.min_new_tokens, params.max_new_tokens)
+
+
 def import_vllm() -> None:
     """``import vllm`` in-process, quiet, with a one-line error when it is not installed."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process

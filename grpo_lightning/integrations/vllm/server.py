@@ -48,6 +48,7 @@ from grpo_lightning.integrations.vision.vllm_inputs import (
     placeholder_bias,
 )
 from grpo_lightning.integrations.vision.vllm_weights import vllm_name
+from grpo_lightning.integrations.vllm.engine import request_min_tokens
 from grpo_lightning.integrations.vllm.weight_transfer import TRANSPORTS, WeightChannel, address_towards, held_version
 from grpo_lightning.lora import is_peft_model
 from grpo_lightning.modality import TEXT, Modality
@@ -78,6 +79,8 @@ class VLLMServerEngine(RolloutEngine):
     # generate(vision=...): a vision-language model's prompts go to GENERATE_ROUTE, ids and images together
     takes_images = True
     remote = True
+    # A continued sequence is a prompt like any other; every push ends with each server's prefix cache cleared
+    supports_partial_rollouts = True
     context_name = "the vLLM servers' max_model_len (vllm serve --max-model-len)"
 
     def __init__(
@@ -296,7 +299,7 @@ class VLLMServerEngine(RolloutEngine):
         if self.pushed_version is not None:
             self._check_versions()
         group = 1 if params.greedy else params.group_size
-        min_new = 0 if params.greedy else params.min_new_tokens
+        min_new = request_min_tokens(params)
         seeds = (
             torch.randint(2**31 - 1, (len(prompts),), generator=generator, device=generator.device).tolist()
             if generator is not None
