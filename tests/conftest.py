@@ -18,7 +18,7 @@ os.environ["GRPO_LIGHTNING_CPU_PACKING"] = "off"
 # tools/ holds the measurement helpers some tests use (memory_probe, run_logs): importable by their names.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
-# The tests are laid out like the package, a folder per room (README, Development). A test file reuses what another
+# The tests are laid out like the package, a folder per room (docs/development.md). A test file reuses what another
 # defines by module name (``from test_resume import fit``), and runs started by a test import test files by name
 # too (a reward ``test_async_kill.counting_reward``, a script run by torchrun importing ``helpers``): every folder
 # is importable here and in every process a test starts.

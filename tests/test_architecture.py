@@ -7,7 +7,7 @@
 - ``GRPOModule`` depends on no callback; every module says in its docstring what it owns; no file is over 500
   lines (a file is one idea; the cap catches a file that has become several).
 - Where Lightning offers no public hook for what we need, we use its internals; each such place is listed in the
-  README's architecture section, and the tests below fail the day Lightning changes what we rely on.
+  docs/how_it_works.md, and the tests below fail the day Lightning changes what we rely on.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def test_the_room_check_sees_a_two_way_pair():
     assert room("grpo_lightning.rollout.round") == "grpo_lightning.rollout"
 
 
-# ---------------------------------------------------------------- the Lightning internals we rely on (README)
+# ------------------------------------------------------------ the Lightning internals we rely on (docs/how_it_works.md)
 def test_lightning_stops_a_run_at_the_end_of_a_batch_on_sigterm():
     """Why ``RoundCheckpoint`` handles SIGTERM itself: Lightning's own handler only flags the signal, and its
     training loop then raises at the end of the current micro-batch, mid-round (a round cut there cannot be

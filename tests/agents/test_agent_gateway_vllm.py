@@ -2,7 +2,7 @@
 ``test_agent_gateway.py``, through the gateway, recorded as vLLM drew it; a token-exact agent merged into one row; two
 rounds through the Trainer.
 
-Marked ``vllm`` and skipped where vLLM is not installed (it runs in its own environment: README, vLLM). The model
+Marked ``vllm`` and skipped where vLLM is not installed (it runs in its own environment: docs/vllm.md). The model
 is random (vLLM needs a head size it has kernels for; ``tiny-calc``'s is not one), so a chat reply may hold a token
 that its text does not give back: such a session makes two rows, and the checks below hold for either.
 """
@@ -16,7 +16,7 @@ import torch
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip(
-        "vllm is not installed (the vllm tests run in their own environment: README, vLLM)", allow_module_level=True
+        "vllm is not installed (the vllm tests run in their own environment: docs/vllm.md)", allow_module_level=True
     )
 
 from lightning import Callback, Trainer, seed_everything  # noqa: E402

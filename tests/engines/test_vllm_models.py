@@ -1,7 +1,7 @@
 """The ``vllm`` engine on what the tiny test model does not show: a folder shaped like a real instruct model's,
 filters, minimum lengths, a context it cannot hold, a head size its CPU kernels lack, and multi-turn rollouts.
 
-Marked ``vllm`` and skipped where vLLM is not installed (README, vLLM). The folder is ``make_instruct_like_folder``:
+Marked ``vllm`` and skipped where vLLM is not installed (docs/vllm.md). The folder is ``make_instruct_like_folder``:
 two EOS ids (the second only in ``generation_config``, which vLLM stops at) and sampling defaults that must not
 reach the requests. The checks are the engine contract's, the same the other engines pass (``test_engines.py``).
 """
@@ -15,7 +15,7 @@ import torch
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip(
-        "vllm is not installed (the vllm tests run in their own environment: README, vLLM)", allow_module_level=True
+        "vllm is not installed (the vllm tests run in their own environment: docs/vllm.md)", allow_module_level=True
     )
 
 from engine_contract import (  # noqa: E402

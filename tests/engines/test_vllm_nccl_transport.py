@@ -14,7 +14,7 @@ from torch import nn
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip(
-        "vllm is not installed (the vllm tests run in their own environment: README, vLLM)", allow_module_level=True
+        "vllm is not installed (the vllm tests run in their own environment: docs/vllm.md)", allow_module_level=True
     )
 
 from grpo_lightning.integrations.vllm.nccl import CheckedNCCLWeightTransferEngine  # noqa: E402

@@ -19,7 +19,7 @@ import torch
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip(
-        "vllm is not installed (the vllm tests run in their own environment: README, vLLM)", allow_module_level=True
+        "vllm is not installed (the vllm tests run in their own environment: docs/vllm.md)", allow_module_level=True
     )
 
 from engine_contract import LONG_PROMPTS, model_end_ids, sampling_logprobs  # noqa: E402

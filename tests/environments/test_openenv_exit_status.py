@@ -1,7 +1,7 @@
 """An OpenEnv server that fails a run ends it with one ``error:`` line and the status of its kind, through the CLI's
 entry point (``test_exit_status.cli_run``): a server at ``url`` that refuses the connection or never answers is an
 unreachable service (3); an environment that raises on its server, or a server the run started that dies, is a
-crashed environment (4). README, Exit status; ``integrations/environments/openenv_sessions.py``.
+crashed environment (4). docs/checkpoints.md, exit status; ``integrations/environments/openenv_sessions.py``.
 """
 
 from __future__ import annotations

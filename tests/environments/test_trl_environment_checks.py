@@ -1,5 +1,5 @@
 """``TRLEnvironment``'s checks and a run: a bad factory, a row naming an unknown class, a template that writes no
-tool calls, each refused in one line before training; and the README's YAML (two classes chosen per row) through
+tool calls, each refused in one line before training; and the docs' YAML (two classes chosen per row) through
 the CLI's parser and one round of ``fit`` on a tiny model. The classes are ``test_trl_environments``'.
 """
 
@@ -83,7 +83,7 @@ def test_a_template_that_writes_no_tool_calls_or_tools_in_the_kwargs_are_refused
 
 # --------------------------------------------------------------------------------------------- a run, by YAML
 def test_a_yaml_config_trains_a_round_with_two_classes_chosen_per_row(tmp_path, monkeypatch):
-    """The README's configuration: ``data.environment`` names the classes by import path; one round of ``fit`` on
+    """The docs' configuration: ``data.environment`` names the classes by import path; one round of ``fit`` on
     a tiny model with the Qwen-style tokenizer runs the trajectories and logs ``get_reward`` as ``env_WeatherEnv``."""
     from helpers import save_tiny_llama
 

@@ -6,7 +6,7 @@ A supported case must keep the promised invariants (token-exact rows, the None r
 batch company, nothing stale after a push); a refused one must be refused before training, in one line that names
 both of the parts that do not combine.
 
-Tiers (README, Development): the main suite runs a pairwise-covering subset of the in-process engines' cases; the
+Tiers (docs/development.md): the main suite runs a pairwise-covering subset of the in-process engines' cases; the
 vLLM engines' pairwise subset is marked ``vllm`` (``pytest -m vllm -n 0``, the vLLM environment); the full
 product is marked ``matrix`` (``pytest -m matrix``), deselected by default.
 """

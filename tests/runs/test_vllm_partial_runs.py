@@ -25,7 +25,7 @@ import torch
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip(
-        "vllm is not installed (the vllm tests run in their own environment: README, vLLM)", allow_module_level=True
+        "vllm is not installed (the vllm tests run in their own environment: docs/vllm.md)", allow_module_level=True
     )
 
 from lightning import Callback, Trainer, seed_everything  # noqa: E402

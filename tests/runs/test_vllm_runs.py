@@ -24,7 +24,7 @@ from grpo_lightning.config import EvalConfig, UpdateConfig
 ROOT = Path(__file__).resolve().parents[2]
 if __name__ != "__main__" and importlib.util.find_spec("vllm") is None:
     pytest.skip(
-        "vllm is not installed (the vllm tests run in their own environment: README, vLLM)", allow_module_level=True
+        "vllm is not installed (the vllm tests run in their own environment: docs/vllm.md)", allow_module_level=True
     )
 
 pytestmark = pytest.mark.vllm

@@ -18,7 +18,7 @@ import torch
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip(
-        "vllm is not installed (the vllm tests run in their own environment: README, vLLM)", allow_module_level=True
+        "vllm is not installed (the vllm tests run in their own environment: docs/vllm.md)", allow_module_level=True
     )
 
 from helpers import load_tool  # noqa: E402
