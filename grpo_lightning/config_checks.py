@@ -185,12 +185,13 @@ def check_round_settings(*, engine: Any, update: UpdateConfig, schedule: Schedul
 
 
 def check_partial_rollouts(
-    schedule: ScheduleConfig, *, sampling: SamplingConfig, engine: Any, environment: bool
+    schedule: ScheduleConfig, *, sampling: SamplingConfig, engine: Any, environment: Any
 ) -> None:
     """Refuse, in one line before training, what ``data.schedule.partial_rollouts`` cannot take (yet): no background
-    process, another lag, an engine that cannot continue a sequence under new weights, multi-turn rollouts, dynamic
-    sampling, and a staleness bound that the longest sequence always exceeds. (A curriculum is refused at any lag:
-    ``check_round_settings``.)"""
+    process, another lag, an engine that cannot continue a sequence under new weights, a rollout kind
+    (``environment``, None: single-turn) whose rollouts cannot span a push (an agent's: its
+    ``partial_rollouts_refused`` says why), dynamic sampling, and a staleness bound that the longest sequence always
+    exceeds. (A curriculum is refused at any lag: ``check_round_settings``.)"""
     if not schedule.partial_rollouts:
         return
     if schedule.rollout_lag != 1:
@@ -201,12 +202,13 @@ def check_partial_rollouts(
     if not engine.supports_partial_rollouts:
         raise ConfigError(
             f"data.engine {engine.name} cannot continue a sequence under new weights with data.schedule."
-            "partial_rollouts (not done yet): use the lean or transformers engine, or partial_rollouts: false"
+            "partial_rollouts: use the lean, transformers, vllm or vllm_server engine, or partial_rollouts: false"
         )
-    if environment:
+    reason = None if environment is None else environment.partial_rollouts_refused
+    if reason:
         raise ConfigError(
-            "data.environment (multi-turn rollouts, agents) does not combine with data.schedule.partial_rollouts yet: "
-            "set data.environment: null, or partial_rollouts: false"
+            f"data.environment {type(environment).__name__} does not combine with data.schedule.partial_rollouts: "
+            f"{reason}"
         )
     if sampling.dynamic_sampling:
         raise ConfigError(
@@ -216,11 +218,13 @@ def check_partial_rollouts(
     # (their ranges, integers >= 1: SETTING_RANGES, checked when the config is read)
     budget = schedule.segment_tokens(sampling.max_new_tokens)
     pushes = -(-sampling.max_new_tokens // budget)
-    if schedule.max_staleness < pushes:
+    spanned = pushes if environment is None else environment.pushes_spanned(sampling.max_new_tokens, budget)
+    if schedule.max_staleness < spanned:
+        turns = "" if spanned == pushes else f" (+ {spanned - pushes}: its environment steps, collected a push later)"
         raise ConfigError(
-            f"data.schedule.max_staleness {schedule.max_staleness} is below the {pushes} pushes a sequence of "
-            f"data.sampling.max_new_tokens {sampling.max_new_tokens} spans at tokens_per_push {budget}: every such "
-            f"sequence would be dropped; set max_staleness >= {pushes} or a larger tokens_per_push"
+            f"data.schedule.max_staleness {schedule.max_staleness} is below the {spanned} pushes a sequence of "
+            f"data.sampling.max_new_tokens {sampling.max_new_tokens} spans at tokens_per_push {budget}{turns}: every "
+            f"such sequence would be dropped; set max_staleness >= {spanned} or a larger tokens_per_push"
         )
 
 

@@ -3,6 +3,8 @@
     python tools/bench_partial.py                      # 2 runs of each row, rotated, in this process
     python tools/bench_partial.py --runs 3 --rounds 2 10 --max-new-tokens 128
     python tools/bench_partial.py --quick              # a few rounds of each: does it run (no figures to quote)
+    python tools/bench_partial.py --workload tool      # multi-turn: a tool that waits on I/O (issue 53, point 5)
+    python tools/bench_partial.py --device cuda        # on a GPU (tools/gpu_check.sh, part "partial")
 
 The workload has long-tailed completion lengths: a tiny random Llama whose EOS row of the output layer is the mean
 direction of its hidden states (scaled by ``--eos-weight``), so that most completions end after a few tokens and
@@ -10,6 +12,21 @@ some run to ``max_new_tokens`` (the bench prints the lengths' median, 90th perce
 At a fixed lag every round waits for its longest completion; with partial rollouts (the same staleness bound,
 ``max_staleness``, and ``tokens_per_push`` = ⌈max_new_tokens / 4⌉) the background process decodes each sequence at
 most ``tokens_per_push`` tokens per push and a round takes the groups that have ended.
+
+``--workload tool``: the calculator demo's model (``grpo_lightning/assets/tiny-calc``: it calls the tool in a good
+share of its samples) against ``ToolEnvironment``, its calculator behind a service call: each call waits
+``--tool-wait-ms`` (100–300 ms by default: a search's or a sandbox's latency, about a turn's decoding or longer, so
+that the waits are most of a round at lag 1; ``calculator`` below: a function of the call's argument, so both rows
+wait alike) before it answers. Trajectory lengths have the demo's tail (0 to 2 tool calls, answers of different
+lengths, the odd turn run to its limit). At a fixed lag a round waits for its tool calls turn after turn (each
+wave of calls as long as its slowest); with partial rollouts each call runs in the background of the segments and
+its observation joins a push later, so the waits overlap the push, the update and the decoding. The calls run at
+once (``max_concurrency``, ``--tool-concurrency``) in both rows; by default as many as the partial row's pool holds
+trajectories (``prompts × group_size × ⌈max_new_tokens / tokens_per_push⌉``: fewer would queue its calls), and
+``max_staleness`` the bound a trajectory's pushes and turns need (``Environment.pushes_spanned``). Per run the bench
+prints the seconds a round spends in the environment beside its generation (``environment_s``, ``generate_s``: at
+lag 1, the share of the waits) and, for ``partial``, what the segments waited for the background steps
+(``environment_wait_s``) and how many they launched (``environment_steps``).
 
 Rows (each run is a whole ``fit`` in this process, the rows rotated so that the machine's drift hits both alike):
 
@@ -27,17 +44,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 
 ROWS = ("lag1", "partial")
+TINY_CALC = Path(__file__).resolve().parents[1] / "grpo_lightning" / "assets" / "tiny-calc"
+
+
+WAIT_VARIABLE = "BENCH_PARTIAL_TOOL_WAIT_MS"  # how the background process learns ``--tool-wait-ms``
+
+
+def calculator(argument: str) -> str:
+    """The calculator behind a service call: waits between ``--tool-wait-ms``'s bounds (a function of ``argument``:
+    every run waits alike), then answers as the built-in ``calculator`` does. Named ``calculator``: the tool the demo's
+    model calls."""
+    from grpo_lightning.integrations.environments.tools import resolve_tool
+
+    low, high = (float(ms) / 1000 for ms in os.environ.get(WAIT_VARIABLE, "100,300").split(","))
+    time.sleep(low + (high - low) * (zlib.crc32(argument.encode()) % 1000) / 1000)
+    return resolve_tool("calculator")(argument)
 
 
 def machine() -> str:
@@ -118,13 +152,14 @@ def run(row: str, model: Path, args: argparse.Namespace) -> dict[str, float]:
         prompts_per_round=args.prompts,
         update=UpdateConfig(),
         eval=EvalConfig(limit=0),
-        dataset=str(model / "prompts.jsonl"),
         val_split=None,
+        **workload_data(model, args),
     )
     trainer = L.Trainer(
         **TRAINER_DEFAULTS,
         max_epochs=warmup + measured,
-        accelerator="cpu",
+        accelerator="gpu" if args.device == "cuda" else "cpu",
+        devices=1,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -147,8 +182,50 @@ def run(row: str, model: Path, args: argparse.Namespace) -> dict[str, float]:
         "stale_groups": mean("rollout/stale_groups"),
         "waited_segments": mean("rollout/segments_waited"),
         "generate_s": mean("time/generate"),
+        "environment_s": mean("time/environment"),
+        "environment_wait_s": mean("time/environment_wait"),
+        "environment_steps": mean("rollout/environment_steps"),
         "wait_s": mean("time/wait"),
     }
+
+
+def workload_data(model: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The data of ``--workload``: the long-tail model's sums, or the calculator demo's products with its tool
+    behind a network call (``calculator``)."""
+    if args.workload == "single":
+        return {"dataset": str(model / "prompts.jsonl")}
+
+    environment = tool_environment(args.tool_concurrency)
+    return {
+        "dataset": "multiplication",
+        "task_kwargs": {"train_size": 2000, "test_size": 8},
+        "environment": environment,
+    }
+
+
+def tool_environment(concurrency: int) -> Any:
+    """``--workload tool``'s environment: the demo's calculator (``calculator``), ``concurrency`` calls at once."""
+    from grpo_lightning.integrations.environments import ToolEnvironment
+
+    return ToolEnvironment(
+        tools=["bench_partial:calculator"], format="tag", max_turns=3, max_turn_tokens=40, max_observation_tokens=32,
+        max_concurrency=concurrency,
+    )  # fmt: skip
+
+
+def tool_defaults(args: argparse.Namespace) -> None:
+    """``--workload tool``'s unset settings: the demo's ``max_new_tokens``, the calls of the partial row's pool at
+    once, the staleness its trajectories' pushes and turns need."""
+    from grpo_lightning.config import ScheduleConfig
+
+    args.max_new_tokens = 96 if not args.quick else 64  # the demo's: turns and observations together
+    budget = ScheduleConfig().segment_tokens(args.max_new_tokens)
+    pushes = -(-args.max_new_tokens // budget)
+    if args.tool_concurrency is None:
+        args.tool_concurrency = args.prompts * args.group_size * pushes
+    if args.max_staleness is None:
+        args.max_staleness = tool_environment(1).pushes_spanned(args.max_new_tokens, budget)
+    os.environ[WAIT_VARIABLE] = ",".join(str(ms) for ms in args.tool_wait_ms)
 
 
 def lengths(model: Path, args: argparse.Namespace) -> str:
@@ -177,18 +254,49 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=8, help="prompts per round")
     parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--max-staleness", type=int, default=4, help="η of both rows")
+    parser.add_argument(
+        "--max-staleness", type=int, default=None, help="η of both rows (4; --workload tool: what its turns need)"
+    )
     parser.add_argument("--eos-weight", type=float, default=0.5, help="the EOS row's scale: lower, longer")
     parser.add_argument("--quick", action="store_true", help="1 run of 1 + 2 rounds each, 32 new tokens")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the trainer and its background process on a GPU"
+    )
+    parser.add_argument(
+        "--workload", choices=("single", "tool"), default="single",
+        help="single: the long-tail model's single-turn sums; tool: the calculator demo, its tool waiting on I/O",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tool-concurrency", type=int, default=None,
+        help="--workload tool: tool calls run at once (default: the partial row's pool's trajectories)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tool-wait-ms", nargs=2, type=float, default=(100.0, 300.0), metavar=("LOW", "HIGH"),
+        help="--workload tool: each tool call waits between these, a function of its argument",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.quick:
         args.runs, args.rounds, args.max_new_tokens, args.prompts = 1, (1, 2), 32, 4
+    if args.workload == "tool":
+        tool_defaults(args)
+    elif args.max_staleness is None:
+        args.max_staleness = 4
     torch.set_num_threads(max(2, torch.get_num_threads()))
     print(machine())
+    if args.device == "cuda":
+        print(f"GPU: {torch.cuda.get_device_name()}")
     with tempfile.TemporaryDirectory() as folder:
-        model = build_model(Path(folder), args.eos_weight, args.max_new_tokens)
-        prompts_file(model)
-        print(lengths(model, args))
+        if args.workload == "tool":
+            model = TINY_CALC
+            low, high = args.tool_wait_ms
+            print(
+                f"workload: the calculator demo's model and products, each tool call waiting {low:g}-{high:g} ms; "
+                f"{args.tool_concurrency} calls at once; max_staleness {args.max_staleness}"
+            )
+        else:
+            model = build_model(Path(folder), args.eos_weight, args.max_new_tokens)
+            prompts_file(model)
+            print(lengths(model, args))
         results: dict[str, list[dict[str, float]]] = {row: [] for row in ROWS}
         for i in range(args.runs):
             for row in ROWS if i % 2 == 0 else ROWS[::-1]:  # rotated: the machine's drift hits both rows alike
@@ -196,6 +304,9 @@ def main() -> None:
                 results[row].append(result)
                 print(row, " ".join(f"{k}={v:.3g}" for k, v in result.items()), flush=True)
     medians = {row: statistics.median(r["trajectories_per_s"] for r in results[row]) for row in ROWS}
+    if args.workload == "tool":  # the waits' share of a round's generation at lag 1: what partial rollouts hide
+        share = statistics.median(r["environment_s"] / r["generate_s"] for r in results["lag1"])
+        print(f"lag1: environment steps {share:.0%} of generation")
     print(f"partial / lag1 trajectories per second: {medians['partial'] / medians['lag1']:.2f}x")
 
 

@@ -23,18 +23,24 @@
 #      engine takes images (VLLMEngine.takes_images), else on the transformers engine ("engine" and
 #      "engine_note" say which and why). Per round: generation tokens/s, rollout / update / round time, peak GPU
 #      memory; "tokens_per_s" is the mean after the first round. SMOKE: a tiny Qwen2-VL on CPU, 2 rounds.
+#   F. partial (issue 53, not in the default PARTS: PARTS=partial): tools/bench_partial.py on this device, partial
+#      rollouts against the fixed lag 1 at the same staleness bound, one run of each row (1 warm-up + 4 measured
+#      rounds), on both workloads: "single" (a tiny Llama with long-tailed completion lengths) and "tool" (the
+#      calculator demo's model, its tool waiting 100-300 ms per call); per workload trajectories per second of each
+#      row, "partial_over_lag1", staleness and interrupted sequences. SMOKE: --quick on CPU.
 #
 # Writes $OUT/gpu_check.json ({"training": A, "engines": B, versions}; a part that failed holds "error" instead of
 # or beside its figures), $OUT/part_<name>.json (each part's own, rewritten as it goes), $OUT/gpu_check.log and
 # $OUT/gpu.txt (nvidia-smi). Exits 1 when a part failed. Peak memory is torch's allocated peak, in GiB.
 # Budget on an H200 (estimated, not yet measured): about 1 min for A, 2–3 min for B (vLLM's start, compile and
 # CUDA graphs about 1 min), 2–3 min for C; each part is cut off at A_TIMEOUT (150 s) / B_TIMEOUT (270 s) /
-# C_TIMEOUT (240 s) / D_TIMEOUT (240 s) / E_TIMEOUT (300 s); run PARTS=servers (or vlm) on its own when the others are
-# measured already.
+# C_TIMEOUT (240 s) / D_TIMEOUT (240 s) / E_TIMEOUT (300 s) / F_TIMEOUT (300 s); run PARTS=servers (or vlm, partial) on its
+# own when the others are measured already.
 #
 #   OUT=/tmp/gpu_check bash tools/gpu_check.sh            # from the repository root, on a machine with a CUDA GPU
 #   PRECISION=bf16-true ROUNDS=5 bash tools/gpu_check.sh   # other settings through the environment
-#   PARTS=engines bash tools/gpu_check.sh                  # one part only (training, engines, async, servers, vlm)
+#   PARTS=engines bash tools/gpu_check.sh                  # one part only (training, engines, async, servers, vlm,
+#                                                          # partial)
 #   SMOKE=1 bash tools/gpu_check.sh                        # tiny sizes on CPU, same code paths (no GPU numbers);
 #                                                          # vLLM's side too where vllm(-cpu) is importable
 set -euo pipefail
@@ -603,6 +609,27 @@ def vlm(result: dict) -> None:
         folder.cleanup()
 
 
+# --------------------------------------------------------------------------------------------- F. partial
+def partial(result: dict) -> None:
+    import subprocess
+
+    for workload in ("single", "tool"):
+        args = ["--workload", workload, "--runs", "1", "--rounds", "1", "4", "--device", "cuda" if cuda else "cpu"]
+        if smoke:  # a few rounds of each row, 32 new tokens, on the CPU
+            args = ["--workload", workload, "--quick"]
+        done = subprocess.run([sys.executable, "tools/bench_partial.py", *args], capture_output=True, text=True)
+        figures: dict = {"output": done.stdout[-3000:]}
+        result[workload] = figures
+        if done.returncode != 0:
+            raise RuntimeError(f"bench_partial --workload {workload} exited {done.returncode}: {done.stderr[-2000:]}")
+        for line in done.stdout.splitlines():  # "<row> trajectories_per_s=R length=L staleness=S interrupted=I ..."
+            row, _, rest = line.partition(" ")
+            if row in ("lag1", "partial") and rest.startswith("trajectories_per_s="):
+                figures[row] = {key: float(value) for key, value in (item.split("=") for item in rest.split())}
+        last = done.stdout.strip().splitlines()[-1]  # "partial / lag1 trajectories per second: R.RRx"
+        figures["partial_over_lag1"] = float(last.rsplit(" ", 1)[-1].rstrip("x"))
+
+
 # ------------------------------------------------------------------------------------------------ merge
 def merge(status: dict) -> int:
     """gpu_check.json from the parts' files; a part that died without writing its error gets its exit status."""
@@ -637,7 +664,8 @@ def main() -> int:
     result: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu"}
     start = time.perf_counter()
     try:
-        {"training": training, "engines": engines, "async": asynchronous, "servers": servers, "vlm": vlm}[part](result)
+        parts = {"training": training, "engines": engines, "async": asynchronous, "servers": servers, "vlm": vlm}
+        {**parts, "partial": partial}[part](result)
     except Exception as err:
         traceback.print_exc()
         result["error"] = error_text(err)
@@ -658,7 +686,8 @@ for part in $PARTS; do
         async) limit="${C_TIMEOUT:-240}" ;;
         servers) limit="${D_TIMEOUT:-240}" ;;
         vlm) limit="${E_TIMEOUT:-300}" ;;
-        *) echo "unknown part $part (training, engines, async, servers, vlm)" >&2; exit 2 ;;
+        partial) limit="${F_TIMEOUT:-300}" ;;
+        *) echo "unknown part $part (training, engines, async, servers, vlm, partial)" >&2; exit 2 ;;
     esac
     echo "== $part (at most ${limit}s)" | tee -a "$LOG"
     rc=0

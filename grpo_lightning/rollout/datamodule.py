@@ -161,7 +161,7 @@ class RolloutDataModule(PromptData, LightningDataModule):
             curriculum=curriculum is not None,
         )
         check_partial_rollouts(
-            self.schedule, sampling=self.sampling, engine=self.collector.engine, environment=environment is not None
+            self.schedule, sampling=self.sampling, engine=self.collector.engine, environment=self.rollout_kind
         )
         self.prompts_per_round, self.seed = prompts_per_round, seed
         self.curriculum = CurriculumSampler(curriculum, seed) if curriculum is not None else None

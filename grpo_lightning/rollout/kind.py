@@ -61,6 +61,10 @@ class RolloutKind(ABC):
     names_vary_by_rank: bool = False
     """The names of its metrics and reward parts depend on what a rank's rows did (a tool call): ranks agree on
     them before the advantages (``rollout/round.py: finish_round``), a collective the others skip."""
+    partial_rollouts_refused: str | None = "it implements no decode_segment and score_segment"
+    """Why its rollouts cannot continue across a weight push (``data.schedule.partial_rollouts``: refused in one line
+    before training, this reason in it); None: they can: single-turn sampling (``rollout/partial.py``), a multi-turn
+    kind through ``decode_segment`` and ``score_segment``."""
 
     @abstractmethod
     def rollout(
@@ -101,6 +105,53 @@ class RolloutKind(ABC):
             The scored rows, ``len(rows["prompt"]) × group_size`` trajectories, a row's group adjacent, in the
                 rows' order (more rows where one trajectory makes several: ``RolloutBatch.trajectory``).
         """
+
+    def decode_segment(
+        self,
+        groups: list[Any],
+        *,
+        engine: RolloutEngine,
+        encoder: PromptEncoder,
+        params: SamplingParams,
+        budget: int,
+        version: int,
+        generator: torch.Generator | None,
+        return_logprobs: bool,
+        device: torch.device | str,
+        held: dict[Any, Any],
+    ) -> float:
+        """One segment of partial rollouts for a multi-turn kind (``multi_turn``; ``rollout/partial.py:
+        run_segment``): every unfinished sequence of ``groups`` (``rollout/partial.py: Group``) decoded at most
+        ``budget`` more model tokens under the weights ``version`` the engine holds, its ``Sample`` updated in place
+        (each token's μ, policy log-prob and version; the kind's own state, plain data, in ``Sample.state``).
+        ``held``: what the kind keeps between segments in the background process (live environments), by ``(group
+        number, sample)``; a resumed run starts with it empty. Returns the seconds spent outside the engine."""
+        raise NotImplementedError(f"{type(self).__name__} cannot decode a segment of partial rollouts")
+
+    def settle_segment(self, held: dict[Any, Any]) -> float:
+        """Before a segment of partial rollouts (its first act: ``rollout/partial.py: run_segment``): wait for what
+        the last segment left running in the background (``held``: an environment's steps). The seconds waited."""
+        return 0.0
+
+    def pushes_spanned(self, max_new_tokens: int, tokens_per_push: int) -> int:
+        """The most weight pushes one of its rollouts spans with partial rollouts (what ``max_staleness`` must cover,
+        checked before training): ⌈max_new_tokens / tokens_per_push⌉, a sequence's."""
+        return -(-max_new_tokens // tokens_per_push)
+
+    def score_segment(
+        self,
+        groups: list[Any],
+        *,
+        encoder: PromptEncoder,
+        scorer: Scorer,
+        params: SamplingParams,
+        device: torch.device | str,
+        held: dict[Any, Any],
+        timings: dict[str, float],
+    ) -> RolloutBatch:
+        """The ended ``groups`` (every sample ended; ``decode_segment``'s) scored as ``rollout`` scores its rows: G
+        rows per group, adjacent, in order."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score a segment of partial rollouts")
 
     def reward_weights(self) -> dict[str, float]:
         """Each of the kind's own reward parts' weight, by the part's name (a part not named weighs 1); none by

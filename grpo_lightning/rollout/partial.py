@@ -22,6 +22,11 @@ The trainer's round k then admits the first ``prompts_per_round`` queued groups 
 version k − η or later (``max_staleness`` η); older groups, queued or still in flight, are dropped or resampled
 (``stale_groups``), counted (``admit``, ``discard_stale``). With ``tokens_per_push`` ≥ ``max_new_tokens`` no
 sequence spans a push, and the run samples and trains exactly what ``rollout_lag: 1`` does.
+
+A multi-turn kind (``data.environment``: an ``Environment``) decodes and scores its own trajectories in step 2 and 3
+(``RolloutKind.decode_segment``, ``score_segment``: ``integrations/environments/partial_turns.py``): the budget
+counts model tokens, observations carry no version (-1), a turn that ends is stepped in the background and its
+observation joins in the next segment (``settle_segment``, the segment's first act, waits for those steps).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from grpo_lightning.rewards.scorer import Scorer
 from grpo_lightning.rollout.batch import RolloutBatch
 from grpo_lightning.rollout.prompts import PromptEncoder
 from grpo_lightning.rollout.round import RoundSettings, SampledRound
-from grpo_lightning.rollout.sample_and_score import score_completions
+from grpo_lightning.rollout.sample_and_score import rollout_kind, score_completions
 
 
 @dataclass
@@ -96,6 +101,10 @@ class Sample:
     """Segments it was decoded in (more than one: it spanned a push, "interrupted")."""
     ended: bool = False
     truncated: bool = False
+    stepping: bool = False
+    """Its turn ended and the environment's step runs in the background: not ended (``rollout/environment_steps``)."""
+    state: dict[str, Any] = field(default_factory=dict)
+    """A multi-turn kind's own record of it, plain data (``RolloutKind.decode_segment``; observations' version -1)."""
 
 
 @dataclass
@@ -114,8 +123,8 @@ class Group:
 
     @property
     def oldest(self) -> int | None:
-        """The version of its oldest token (None before its first segment)."""
-        return min((s.versions[0] for s in self.samples if s.versions), default=None)
+        """The version of its oldest model token (None before its first segment; observations have none: -1)."""
+        return min((v for s in self.samples for v in s.versions if v >= 0), default=None)
 
 
 @dataclass
@@ -131,7 +140,7 @@ class Pool:
 def pool_from_plain(plain: dict[str, Any]) -> Pool:
     """A ``Pool`` from ``asdict(pool)`` (what a checkpoint holds)."""
     groups = [
-        Group(g["number"], dict(g["row"]), list(g["prompt"]), [Sample(**s) for s in g["samples"]])
+        Group(g["number"], dict(g["row"]), list(g["prompt"]), [Sample(**{"state": {}, **s}) for s in g["samples"]])
         for g in plain.get("groups", [])
     ]
     return Pool(groups, [dict(r) for r in plain.get("requeued", [])], int(plain.get("drawn", 0)))
@@ -190,10 +199,17 @@ def run_segment(
     settings: RoundSettings,
     generator: torch.Generator,
     device: torch.device | str = "cpu",
+    held: dict[Any, Any] | None = None,
+    counters: dict[str, float] | None = None,
 ) -> ReadyGroups | None:
     """One segment (the module docstring): top up ``pool``, decode every unfinished sequence up to the budget under
-    ``plan.version``, score and return the groups that ended (None: none did). ``pool`` is updated in place."""
-    timings: dict[str, float] = {}
+    ``plan.version``, score and return the groups that ended (None: none did). ``pool`` is updated in place.
+    ``held``: a multi-turn kind's live environments between segments (None: none kept); ``counters``: where its
+    seconds are added, whether it ended groups or not (``generate``, ``score``, ...; ``environment_wait``: waiting,
+    first, for the steps of a multi-turn kind's last segment)."""
+    kind, held = rollout_kind(settings.environment), {} if held is None else held
+    waited = kind.settle_segment(held)  # first: nothing of the last segment runs beside this one
+    timings: dict[str, float] = {"environment_wait": waited} if kind.multi_turn else {}
     params = SamplingParams.from_config(settings.sampling)
     partial, pad = plan.settings, encoder.tokenizer.pad_token_id
     while len(pool.groups) + plan.waiting < partial.pool_groups:  # 1. top-up, by whole draws
@@ -207,8 +223,49 @@ def run_segment(
             pool.groups.append(Group(pool.drawn, row, prompt, samples))
             pool.drawn += 1
     start = time.perf_counter()  # 2. decode: fresh groups in one call, continued sequences in one per budget
+    if kind.multi_turn:
+        timings["environment"] = kind.decode_segment(
+            pool.groups, engine=engine, encoder=encoder, params=params, budget=partial.tokens_per_push,
+            version=plan.version, generator=generator, return_logprobs=settings.engine_logprobs, device=device,
+            held=held,
+        )  # fmt: skip
+    else:
+        _decode(pool.groups, plan, params, engine, pad, generator, settings.engine_logprobs, device)
+    timings["generate"] = time.perf_counter() - start
+    finished = [g for g in pool.groups if g.done]  # 3. score the groups that ended, in pool order
+    pool.groups = [g for g in pool.groups if not g.done]
+    if not finished:
+        return _counted(None, timings, counters)
+    if kind.multi_turn:
+        batch = kind.score_segment(
+            finished, encoder=encoder, scorer=scorer, params=params, device=device, held=held, timings=timings
+        )
+    else:
+        batch = _scored(finished, params, encoder, scorer, pad, device, timings)
+    return _counted(_ready(finished, batch, pad, timings, plan.version), timings, counters)
+
+
+def _counted(ready: ReadyGroups | None, timings: dict[str, float], counters: dict[str, float] | None) -> Any:
+    """``ready``, once a segment's ``timings`` are added to ``counters`` (None: not counted)."""
+    for phase, seconds in timings.items() if counters is not None else ():
+        counters[phase] = counters.get(phase, 0.0) + seconds
+    return ready
+
+
+def _decode(
+    groups: list[Group],
+    plan: SegmentPlan,
+    params: SamplingParams,
+    engine: RolloutEngine,
+    pad: int,
+    generator: torch.Generator,
+    logprobs: bool,
+    device: torch.device | str,
+) -> None:
+    """Single-turn sampling's step 2: the fresh groups in one call, the continued sequences in one per budget."""
+    partial = plan.settings
     calls: dict[tuple[bool, int, int], list[tuple[Group, Sample]]] = {}
-    for group in pool.groups:
+    for group in groups:
         for sample in group.samples:
             if not sample.ended:
                 done = len(sample.tokens)
@@ -217,15 +274,9 @@ def run_segment(
                 calls.setdefault(key, []).append((group, sample))
     for (_, budget, min_new), entries in sorted(calls.items(), key=lambda item: item[0]):
         call = params.with_(max_new_tokens=budget, min_new_tokens=min_new)
-        out = _generate(engine, entries, call, partial.group_size, pad, generator, settings.engine_logprobs, device)
+        out = _generate(engine, entries, call, partial.group_size, pad, generator, logprobs, device)
         for i, (_, sample) in enumerate(entries):
             _record(sample, out, i, plan.version, params.max_new_tokens)
-    timings["generate"] = time.perf_counter() - start
-    finished = [g for g in pool.groups if g.done]  # 3. score the groups that ended, in pool order
-    pool.groups = [g for g in pool.groups if not g.done]
-    if not finished:
-        return None
-    return _scored(finished, params, encoder, scorer, pad, device, timings)
 
 
 def run_segments(
@@ -279,8 +330,8 @@ def _record(sample: Sample, out: Completions, row: int, version: int, max_new_to
     sample.tokens += out.completion_ids[row, :n].tolist()
     if out.logprobs is not None:
         sample.logprobs += out.logprobs[row, :n].tolist()
-        policy = out.policy_logprobs if out.policy_logprobs is not None else out.logprobs
-        sample.policy_logprobs += policy[row, :n].tolist()
+    if out.policy_logprobs is not None:  # none from an engine that cannot give them (vLLM): μ is not π, none kept
+        sample.policy_logprobs += out.policy_logprobs[row, :n].tolist()
     sample.versions += [version] * n
     sample.segments += 1
     at_limit = len(sample.tokens) >= max_new_tokens
@@ -316,7 +367,7 @@ def _scored(
     pad: int,
     device: torch.device | str,
     timings: dict[str, float],
-) -> ReadyGroups:
+) -> RolloutBatch:
     """The ended ``groups`` as sampled completions, scored by the round's one path (``score_completions``)."""
     samples = [s for g in groups for s in g.samples]
     group_size = len(groups[0].samples)
@@ -324,6 +375,7 @@ def _scored(
     completion_ids = _right_padded([s.tokens for s in samples], pad, torch.long).to(device)
     mask = _right_padded([[1] * len(s.tokens) for s in samples], 0, torch.long).to(device)
     logged = all(len(s.logprobs) == len(s.tokens) for s in samples)
+    policy = all(len(s.policy_logprobs) == len(s.tokens) for s in samples)  # every token's, from every segment
     completions = Completions(
         prompt_ids=prompt_ids.repeat_interleave(group_size, dim=0),
         prompt_mask=prompt_mask.repeat_interleave(group_size, dim=0),
@@ -332,17 +384,24 @@ def _scored(
         truncated=torch.tensor([s.truncated for s in samples], dtype=torch.bool, device=device),
         logprobs=_right_padded([s.logprobs for s in samples], 0.0, torch.float32).to(device) if logged else None,
         policy_logprobs=(
-            _right_padded([s.policy_logprobs for s in samples], 0.0, torch.float32).to(device) if logged else None
+            _right_padded([s.policy_logprobs for s in samples], 0.0, torch.float32).to(device) if policy else None
         ),
     )
     rows = {k: [g.row[k] for g in groups] for k in groups[0].row}
     texts = encoder.decode(completions.completion_ids, completions.completion_mask)
-    batch = score_completions(rows, completions, texts, encoder=encoder, scorer=scorer, params=params, timings=timings)
-    sampled = SampledRound(batch.to("cpu"), len(batch), 1, timings, min(g.oldest for g in groups))
+    return score_completions(rows, completions, texts, encoder=encoder, scorer=scorer, params=params, timings=timings)
+
+
+def _ready(groups: list[Group], batch: RolloutBatch, pad: int, timings: dict[str, float], version: int) -> ReadyGroups:
+    """The ended ``groups``, scored into ``batch``, with each token's version (-1: padding, observations) and each
+    sequence's segments. A group without a model token counts as drawn by ``version`` (the segment's)."""
+    samples = [s for g in groups for s in g.samples]
+    oldest = [version if g.oldest is None else g.oldest for g in groups]
+    sampled = SampledRound(batch.to("cpu"), len(batch), 1, timings, min(oldest))
     return ReadyGroups(
         sampled,
         [g.number for g in groups],
-        [g.oldest for g in groups],
+        oldest,
         [g.row for g in groups],
         _right_padded([s.versions for s in samples], -1, torch.long),
         torch.tensor([s.segments for s in samples], dtype=torch.long),

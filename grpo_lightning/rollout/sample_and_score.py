@@ -73,7 +73,10 @@ def rollout_kind(environment: RolloutKind | None) -> RolloutKind:
 
 class SingleTurn(RolloutKind):
     """The core's rollout: one completion per sample, the engine's group sampling (one prefill per prompt), scored
-    by the reward functions. Every declaration of ``RolloutKind`` keeps its default."""
+    by the reward functions. Every declaration of ``RolloutKind`` keeps its default but one: its partial rollouts are
+    ``rollout/partial.py``'s own."""
+
+    partial_rollouts_refused = None
 
     def rollout(
         self,

@@ -208,10 +208,10 @@ class PartialSchedule:
             self.pool, self.position = finished.pool, finished.position
             self.segment = max(self.segment, finished.index + finished.segments)  # clock mode: several
             self._counts.segments += finished.segments
-            for ready in finished.ready:
-                self.queue.append(ready)
-                for phase, seconds in ready.sampled.timings.items():
-                    self._counts.timings[phase] = self._counts.timings.get(phase, 0.0) + seconds
+            self._counts.steps += sum(s.stepping for g in finished.pool.groups for s in g.samples)
+            for phase, seconds in finished.timings.items():  # every segment's, whether it ended groups or not
+                self._counts.timings[phase] = self._counts.timings.get(phase, 0.0) + seconds
+            self.queue += finished.ready
 
     def close(self) -> None:
         """Stop the worker; the segment in flight is lost (a checkpoint collects it first)."""
@@ -253,11 +253,13 @@ class PartialSchedule:
 @dataclass
 class _SegmentCounts:
     """What happened between two rounds: segments collected, those the trainer waited for, groups too stale, the
-    segments' generation and scoring seconds."""
+    environment steps the segments left running in the background (counted in their pools: deterministic), the
+    segments' generation, scoring and environment-wait seconds."""
 
     segments: int = 0
     waited: int = 0
     stale: int = 0
+    steps: int = 0
     timings: dict[str, float] = field(default_factory=dict)
 
     def metrics(self, pool: Pool, queue: list[ReadyGroups]) -> dict[str, float]:
@@ -265,6 +267,7 @@ class _SegmentCounts:
             "rollout/segments": float(self.segments),
             "rollout/segments_waited": float(self.waited),
             "rollout/stale_groups": float(self.stale),
+            "rollout/environment_steps": float(self.steps),
             "rollout/groups_in_flight": float(len(pool.groups)),
             "rollout/groups_queued": float(queued_groups(queue)),
         }

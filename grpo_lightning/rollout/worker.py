@@ -13,7 +13,9 @@ time, in the order they were submitted. Round j is sampled from (the weights it 
 the previous round left it, round j's own seed: ``round_seed``), so two runs give the same rollouts whatever the
 machine's load, and a resumed run the same as an uninterrupted one. With ``data.schedule.partial_rollouts`` it runs
 segments instead of rounds (``rollout/partial.py: run_segment``): the pool it is sent, decoded one token budget
-further under the weights it was last pushed, from the segment's own seed.
+further under the weights it was last pushed, from the segment's own seed; a multi-turn kind's live environments stay
+here between segments (``held``: never sent, never checkpointed; a resumed run replays them), with the steps a segment
+launched in its thread pool and left running for the next one to collect (``integrations/environments/partial_turns``).
 
 Every wait of the trainer on it is bounded and checks that it is alive; an exception in it is raised in the
 trainer (the same exception where it can be sent, with the worker's traceback). It ends with the trainer, also
@@ -32,7 +34,7 @@ import signal
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -97,6 +99,9 @@ class FinishedSegment:
     position: int
     segments: int = 1
     """Segments run (more than one with ``interrupt: clock``), from ``index`` on."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Their seconds, by phase (``run_segment``'s ``counters``: ``generate``, ``score``, ..., ``environment_wait``),
+    whether they ended groups or not; the round logs them as ``time/<phase>``."""
 
 
 def round_seed(seed: int, rank: int, round_index: int) -> int:
@@ -209,6 +214,7 @@ def _serve(spec: WorkerSpec, requests: Any, results: Any, parent: int) -> None:
         model = _build_model(spec)
         spec.engine.setup(model, spec.tokenizer, spec.encoder.modality)
         encoder = spec.encoder
+        held: dict[Any, Any] = {}  # partial rollouts of a multi-turn kind: its live environments between segments
         results.put(("ready", _pack(None)))
     except BaseException as err:  # noqa: BLE001 - reported to the trainer, which raises it
         results.put(("error", _pack(_sendable(err))))
@@ -236,7 +242,7 @@ def _serve(spec: WorkerSpec, requests: Any, results: Any, parent: int) -> None:
                 results.put(("done", _pack(_sample(spec, encoder, message[1]))))
             elif message[0] == "segment":
                 keep_going = requests.empty  # clock: until the next push (or stop) is in the queue
-                results.put(("done", _pack(_segment(spec, encoder, message[1], message[2], keep_going))))
+                results.put(("done", _pack(_segment(spec, encoder, message[1], message[2], keep_going, held))))
         except BaseException as err:  # noqa: BLE001 - reported to the trainer, which raises it
             results.put(("error", _pack(_sendable(err))))
             return
@@ -292,8 +298,14 @@ def _sample(spec: WorkerSpec, encoder: PromptEncoder, round_index: int) -> Finis
 
 
 def _segment(
-    spec: WorkerSpec, encoder: PromptEncoder, plan: SegmentPlan, pool: Pool, keep_going: Callable[[], bool]
+    spec: WorkerSpec,
+    encoder: PromptEncoder,
+    plan: SegmentPlan,
+    pool: Pool,
+    keep_going: Callable[[], bool],
+    held: dict[Any, Any],
 ) -> FinishedSegment:
+    timings: dict[str, float] = {}
     with _seeded(spec, plan.index) as generator:  # clock mode's later segments continue this generator
         ready, segments = run_segments(
             pool,
@@ -306,8 +318,10 @@ def _segment(
             settings=spec.settings,
             generator=generator,
             device=spec.device,
+            held=held,
+            counters=timings,
         )
-    return FinishedSegment(plan.index, pool, ready, spec.stream.position, segments)
+    return FinishedSegment(plan.index, pool, ready, spec.stream.position, segments, timings)
 
 
 def _pack(payload: Any) -> bytes:

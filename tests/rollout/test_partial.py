@@ -9,6 +9,7 @@ what it is sent, as the background process does.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
@@ -171,6 +172,24 @@ def test_a_sequence_longer_than_the_budget_continues_under_each_new_version_with
     assert ready.versions[1].tolist() == [0, 0, 0, 1, 1, 1, 2, 2]
     assert ready.sampled.batch.engine_logprobs[1].tolist() == pytest.approx([mu(0)] * 3 + [mu(1)] * 3 + [mu(2)] * 2)
     assert not ready.sampled.batch.truncated[1]  # its EOS is its 8th token
+
+
+class MuOnlyEngine(ScriptedEngine):
+    """Gives the sampler's μ only, as the vLLM engines do (``Completions.policy_logprobs`` None)."""
+
+    def generate(self, *args, **kwargs):
+        return dataclasses.replace(super().generate(*args, **kwargs), policy_logprobs=None)
+
+
+def test_an_engine_that_gives_mu_only_leaves_the_policy_logprobs_unknown_not_mu():
+    """With top-p or an EOS ban μ is not the tempered policy: a segment must not record μ as the policy's log-probs
+    (it did: ``_record`` fell back to μ), so its groups carry none, as a fixed-lag round of such an engine does."""
+    engine, stream, pool, partial = MuOnlyEngine(), Stream(2), Pool(), settings(budget=3)
+    segment(pool, engine, stream, partial, 0, version=0)
+    ready = segment(pool, engine, stream, partial, 1, version=1)
+    assert ready.sampled.batch.engine_logprobs is not None
+    assert ready.sampled.batch.policy_logprobs is None
+    assert all(not s.policy_logprobs for g in pool.groups for s in g.samples)
 
 
 def test_a_sequence_without_eos_at_max_new_tokens_ends_truncated():
@@ -474,22 +493,33 @@ class NoPartials(RolloutEngine):
 @pytest.mark.parametrize(
     "schedule,engine,environment,sampling,message",
     [
-        ({"rollout_lag": 0}, ScriptedEngine(), False, {}, r"^data.schedule.partial_rollouts .*rollout_lag: 1"),
-        ({"rollout_lag": 2}, ScriptedEngine(), False, {}, r"rollout_lag: 1 \(got 2"),
-        ({}, NoPartials(), False, {}, r"^data.engine vllm cannot continue .* partial_rollouts"),
-        ({}, ScriptedEngine(), True, {}, r"^data.environment .* data.schedule.partial_rollouts"),
+        ({"rollout_lag": 0}, ScriptedEngine(), None, {}, r"^data.schedule.partial_rollouts .*rollout_lag: 1"),
+        ({"rollout_lag": 2}, ScriptedEngine(), None, {}, r"rollout_lag: 1 \(got 2"),
+        ({}, NoPartials(), None, {}, r"^data.engine vllm cannot continue .* partial_rollouts"),
         (
             {},
             ScriptedEngine(),
-            False,
+            "agent",
+            {},
+            r"^data.environment AgentEnvironment does not combine with data.schedule.partial_rollouts: an agent's "
+            r"program .* use partial_rollouts: false",
+        ),
+        (
+            {},
+            ScriptedEngine(),
+            None,
             {"dynamic_sampling": True},
             r"^data.sampling.dynamic_sampling .*partial_rollouts",
         ),
-        ({"tokens_per_push": 2}, ScriptedEngine(), False, {}, r"^data.schedule.max_staleness 4 is below the 32"),
+        ({"tokens_per_push": 2}, ScriptedEngine(), None, {}, r"^data.schedule.max_staleness 4 is below the 32"),
     ],
 )
 def test_what_partial_rollouts_cannot_take_is_refused_in_one_line(schedule, engine, environment, sampling, message):
     config = ScheduleConfig(**{"rollout_lag": 1, "partial_rollouts": True, **schedule})
+    if environment == "agent":  # its program's loop cannot be paused at a push: refused, saying why and the fix
+        from grpo_lightning.integrations.agents import AgentEnvironment
+
+        environment = AgentEnvironment(agent=lambda *_: None)
     with pytest.raises(ConfigError, match=message):
         check_partial_rollouts(
             config, sampling=SamplingConfig(max_new_tokens=64, **sampling), engine=engine, environment=environment
@@ -502,7 +532,7 @@ def test_the_default_budget_is_a_quarter_of_max_new_tokens_within_the_default_st
         ScheduleConfig(rollout_lag=1, partial_rollouts=True),
         sampling=SamplingConfig(max_new_tokens=7),
         engine=ScriptedEngine(),
-        environment=False,
+        environment=None,
     )
 
 

@@ -92,3 +92,15 @@ def test_gpu_check_smoke_runs_a_vllm_server(tmp_path):
     assert servers["tokens"] == servers["settings"]["completion_tokens_per_call"]
     for key in ("server_start_s", "first_push_s", "push_s", "tokens_per_s"):
         assert positive(servers[key]), (key, servers)
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke_runs_partial_rollouts_on_both_workloads(tmp_path):
+    """Part F: ``tools/bench_partial.py`` through the script, both workloads, both rows (``--quick`` on CPU)."""
+    partial = run_smoke(tmp_path, parts="partial")["partial"]
+    assert "error" not in partial, partial.get("error")
+    for workload in ("single", "tool"):
+        figures = partial[workload]
+        assert positive(figures["partial_over_lag1"]), figures["output"]
+        assert positive(figures["lag1"]["trajectories_per_s"]) and positive(figures["partial"]["trajectories_per_s"])
+        assert figures["lag1"]["staleness"] == 1 and positive(figures["partial"]["staleness"])

@@ -60,6 +60,12 @@ class AgentEnvironment(Environment):
     """A user's agent, run unchanged against the run's OpenAI-compatible gateway (see the module docstring)."""
 
     carries_images = False  # its agents call the run's endpoint with text only
+    partial_rollouts_refused = (
+        "an agent's program runs its own loop and holds its own state between its calls to the gateway, so a "
+        "trajectory cannot be paused at a weight push by a token budget (a call in flight would have to wait for the "
+        "next push inside the program's HTTP request) nor be checkpointed or replayed into a resumed run; use "
+        "partial_rollouts: false (rollout_lag: 1 still hides a round's generation behind the update)"
+    )
 
     def __init__(
         self,

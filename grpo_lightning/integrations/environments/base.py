@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from grpo_lightning.config import ConfigError
-from grpo_lightning.integrations.environments import multiturn
+from grpo_lightning.integrations.environments import multiturn, partial_turns
 from grpo_lightning.rollout.kind import RolloutKind, check_rollout_kind
 
 if TYPE_CHECKING:
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from grpo_lightning.engines.base import RolloutEngine, SamplingParams
     from grpo_lightning.rewards.scorer import Scorer
     from grpo_lightning.rollout.batch import RolloutBatch
+    from grpo_lightning.rollout.partial import Group
     from grpo_lightning.rollout.prompts import PromptEncoder
 
 CUT_MARKER = "... [cut: {count} more characters]"
@@ -78,9 +79,24 @@ class Environment(RolloutKind):
     multi_turn = True
     takes_process_rewards = False  # a trajectory's steps are not scored one by one yet
     names_vary_by_rank = True  # its metrics and parts are named by what a rank's trajectories did (a tool call)
+    partial_rollouts_refused = None  # its trajectories span weight pushes: ``partial_turns.py``
+    replays_exactly: bool = True
+    """``reset`` on a row, then ``step`` on the same turns' texts, brings a fresh copy to the same state with the same
+    observations (a deterministic environment): how a run resumed with partial rollouts restores its trajectories in
+    flight (``partial_turns.py``; each replayed observation is checked). False (a server whose sessions do not
+    restart alike): such a resume is refused in one line."""
     max_concurrency: int = 1
     """Active trajectories' environments stepped at once (in threads) in a turn; 1: one at a time, in this thread
-    (an environment that waits on a server or a process sets more: OpenEnv's, skyrl-gym's ``max_concurrency``)."""
+    (an environment that waits on a server or a process sets more: OpenEnv's, skyrl-gym's ``max_concurrency``).
+    With partial rollouts whose ``tokens_per_push`` is below ``max_new_tokens`` (and ``steps_in_threads`` or more than
+    1 here) every step runs in a thread pool of this many threads, in the background of the segments
+    (``partial_turns.py``): a pool keeps N × ⌈max_new_tokens / tokens_per_push⌉ groups in flight, so an environment
+    that waits on I/O needs about that × G to step them at once."""
+    steps_in_threads: bool = False
+    """Its steps may run in a thread other than the main one even at ``max_concurrency`` 1 (they bound their time
+    without SIGALRM, which works in the main thread only: ``ToolEnvironment``). With partial rollouts the steps of an
+    environment that declares so, or whose ``max_concurrency`` is above 1, run in the background of the segments
+    (``partial_turns.steps_in_background``); the others' inside the segment that ended their turn, as a round's."""
     tokenizer: Any = None
     """The policy's tokenizer, once ``setup`` (None before)."""
     shared: tuple[str, ...] = ("tokenizer",)
@@ -132,6 +148,51 @@ class Environment(RolloutKind):
             self, rows, engine=engine, encoder=encoder, scorer=scorer, params=params, generator=generator,
             return_logprobs=return_logprobs, device=device, timings=timings,
         )  # fmt: skip
+
+    def decode_segment(
+        self,
+        groups: list[Group],
+        *,
+        engine: RolloutEngine,
+        encoder: PromptEncoder,
+        params: SamplingParams,
+        budget: int,
+        version: int,
+        generator: torch.Generator | None,
+        return_logprobs: bool,
+        device: torch.device | str,
+        held: dict[Any, Any],
+    ) -> float:
+        """A segment of partial rollouts over the trajectories in flight (``partial_turns.decode_segment``)."""
+        return partial_turns.decode_segment(
+            self, groups, engine=engine, encoder=encoder, params=params, budget=budget, version=version,
+            generator=generator, return_logprobs=return_logprobs, device=device, held=held,
+        )  # fmt: skip
+
+    def settle_segment(self, held: dict[Any, Any]) -> float:
+        """Wait for the steps the last segment launched in the background (``partial_turns.settle``)."""
+        return partial_turns.settle(held)
+
+    def pushes_spanned(self, max_new_tokens: int, tokens_per_push: int) -> int:
+        """⌈max_new_tokens / tokens_per_push⌉, + ``max_turns`` when its steps run in the background
+        (``partial_turns.pushes_spanned``)."""
+        return partial_turns.pushes_spanned(self, max_new_tokens, tokens_per_push)
+
+    def score_segment(
+        self,
+        groups: list[Group],
+        *,
+        encoder: PromptEncoder,
+        scorer: Scorer,
+        params: SamplingParams,
+        device: torch.device | str,
+        held: dict[Any, Any],
+        timings: dict[str, float],
+    ) -> RolloutBatch:
+        """The ended groups of a segment, scored as a round's (``partial_turns.score_segment``)."""
+        return partial_turns.score_segment(
+            self, groups, encoder=encoder, scorer=scorer, params=params, device=device, held=held, timings=timings
+        )
 
     def set_chat_template_kwargs(self, chat_template_kwargs: dict[str, Any]) -> None:
         """Kept as ``chat_template_kwargs``, for ``setup``'s frames."""

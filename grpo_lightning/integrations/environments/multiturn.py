@@ -20,7 +20,7 @@ reward parts as reward columns. What it asks of an environment is ``turn_tokens.
        environment fits its observations to ``max_observation_tokens`` (``Environment.fit_observation``: the text
        cut, its frame kept); the rollout cuts an oversize one's tokens only as a last resort, with a warning.
        The active trajectories' environments answer a turn one at a time, or up to the environment's
-       ``max_concurrency`` at once in threads (``step_environments``: the same answers, in the same order).
+       ``max_concurrency`` at once in threads (``turn_loop.step_environments``: the same answers, in the same order).
 
 An environment may choose a trajectory's prompt after ``reset``: the function schemas the chat template lists
 (``prompt_tools``) and the prompt itself (``trajectory_prompt``: TRL's classes append reset's text to its last
@@ -44,12 +44,14 @@ the trajectories that ended drop out of its batch, their cache with them. The ca
 ``generate_trajectories`` (closed when it returns, so it never meets the next round's weights); other engines
 prefill every turn's whole context (vLLM's prefix cache finds the shared prefix itself). The kept keys and values
 were computed in other matrix shapes than a full prefill's, so later turns' logits differ from it in the last bits.
+
+The turns themselves (sample, cut at an end or stop text, step, append the observation) are ``turn_loop.run_turns``,
+which a segment of partial rollouts runs too, with a budget of model tokens (``partial_turns.py``).
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,11 +61,13 @@ from torch import Tensor
 import grpo_lightning.integrations.environments.stops as stops
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams
 from grpo_lightning.engines.continuation import GenerationSession
+from grpo_lightning.integrations.environments.turn_loop import Trajectory, open_session, run_turns, turn_loop
+from grpo_lightning.integrations.environments.turn_loop import end_token_ids as end_token_ids  # named here as before
+from grpo_lightning.integrations.environments.turn_loop import stop_sequences as stop_sequences
 from grpo_lightning.integrations.environments.turn_tokens import (
     TurnEnvironment,
     left_padded,
     observation_ids,
-    observations_ids,
     right_padded,
 )
 from grpo_lightning.rewards.scorer import Scorer
@@ -87,37 +91,6 @@ class Trajectories:
     prompts: list[Any] = field(default_factory=list)  # each trajectory's prompt (``Environment.trajectory_prompt``)
     environments: list[Any] = field(default_factory=list)  # each trajectory's ``Environment.reward_view()``
     vision: list[dict[str, Tensor]] | None = None  # a vision-language model's: each trajectory's image inputs
-
-
-@dataclass
-class _Trajectory:
-    env: TurnEnvironment
-    prompt: list[int]
-    source: Any  # the prompt before tokens: the row's, or the environment's (``trajectory_prompt``)
-    vision: dict[str, Tensor] | None = None  # its row's image inputs (a vision-language model's prompt)
-    ids: list[int] = field(default_factory=list)
-    action: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    policy_logprobs: list[float] = field(default_factory=list)
-    segments: list[str] = field(default_factory=list)
-    final_text: str = ""
-    turns: int = 0
-    active: bool = True
-    truncated: bool = False
-    rewards: dict[str, float] = field(default_factory=dict)
-    metrics: dict[str, float] = field(default_factory=dict)
-
-    def append(
-        self,
-        ids: list[int],
-        policy: bool,
-        logprobs: list[float] | None = None,
-        policy_logprobs: list[float] | None = None,
-    ) -> None:
-        self.ids += ids
-        self.action += [int(policy)] * len(ids)
-        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
-        self.policy_logprobs += policy_logprobs if policy_logprobs is not None else [0.0] * len(ids)
 
 
 def environment_rollout(
@@ -151,6 +124,24 @@ def environment_rollout(
     if timings is not None:
         timings["generate"] = timings.get("generate", 0.0) + time.perf_counter() - start
         timings["environment"] = timings.get("environment", 0.0) + trajectories.environment_s
+    return score_trajectories(
+        environment, rows, trajectories, encoder=encoder, scorer=scorer, params=params, timings=timings
+    )
+
+
+def score_trajectories(
+    environment: TurnEnvironment,
+    rows: dict[str, list[Any]],
+    trajectories: Trajectories,
+    *,
+    encoder: PromptEncoder,
+    scorer: Scorer,
+    params: SamplingParams,
+    timings: dict[str, float] | None = None,
+) -> RolloutBatch:
+    """``trajectories`` (G per row of ``rows``, groups adjacent) scored through ``score_completions`` on each one's
+    final turn, the environment's reward parts as reward columns: the one scoring of a round's trajectories and of
+    the groups a segment of partial rollouts ended (``partial_turns.score_segment``)."""
     batch = score_completions(
         rows,
         trajectories.completions,
@@ -182,34 +173,10 @@ def setup_environment(environment: TurnEnvironment, tokenizer: Any) -> None:
         environment.setup(tokenizer)
 
 
-def stop_sequences(environment: TurnEnvironment, tokenizer: Any) -> tuple[tuple[int, ...], ...]:
-    """The token sequences of the environment's stop texts, for the engine's early stop (``stops.stop_sequences``:
-    alone and in context; the text rule stays the rule)."""
-    return stops.stop_sequences(environment.stop_texts, tokenizer)
-
-
 def cut_at_stop_text(ids: list[int], stop_texts: tuple[str, ...], tokenizer: Any) -> int:
     """The shortest prefix of ``ids`` whose text (special tokens kept) holds a stop text (``len(ids)`` when none
     does); ``stops.find_stop`` also says whether one was found."""
     return stops.find_stop(ids, stop_texts, tokenizer)[0]
-
-
-def end_token_ids(engine: RolloutEngine, tokenizer: Any) -> tuple[int, ...]:
-    """The ids that end a turn: the engine's ``eos_token_ids`` (set by its ``setup``), else the tokenizer's EOS."""
-    return tuple(engine.eos_token_ids) or (tokenizer.eos_token_id,)
-
-
-def step_environments(environments: list[TurnEnvironment], turns: list[str], max_workers: int = 1) -> list[Any]:
-    """``environments[i].step(turns[i])`` for each i, in order. One at a time in this thread when ``max_workers`` is
-    1 (an environment that times its calls with SIGALRM, ``ToolEnvironment``, needs the main thread); else at most
-    ``max_workers`` at once in a thread pool, for environments that wait on a server or a process (an environment's
-    ``max_concurrency``). The same steps either way: each trajectory's copy steps only itself, and the results keep
-    the trajectories' order (the first exception, in that order, is raised once every step has ended)."""
-    if max_workers <= 1 or len(environments) <= 1:
-        return [env.step(turn) for env, turn in zip(environments, turns)]
-    workers = min(max_workers, len(environments))
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="environment-step") as pool:
-        return list(pool.map(lambda env, turn: env.step(turn), environments, turns))
 
 
 def generate_trajectories(
@@ -228,8 +195,7 @@ def generate_trajectories(
     # session is closed when the rollout ends, before any weight update (``engines/continuation.py``).
     # A vision-language model's turns are prefilled whole, with their images (its cache holds M-RoPE offsets): its
     # encoder says so (``PromptEncoder.continues_token_exact``).
-    keeps = engine.supports_continuation and encoder.continues_token_exact
-    session = engine.open_session() if keeps else None
+    session = open_session(engine, encoder)
     try:
         return _generate(rows, engine, encoder, environment, params, generator, return_logprobs, device, session)
     finally:
@@ -252,14 +218,6 @@ def _generate(
     setup_environment(environment, tokenizer)
     group = 1 if params.greedy else params.group_size
     prompt_ids, prompt_mask, vision = encoder.encode_rows(rows, device)  # vision: per prompt, a VLM's (else None)
-    total_limit = params.max_new_tokens
-    turn_limit = min(environment.max_turn_tokens or total_limit, total_limit)
-    stop_ids = stop_sequences(environment, tokenizer)
-    stop_texts, ends = environment.stop_texts, end_token_ids(engine, tokenizer)
-    scanner = stops.StopScanner(stop_texts, tokenizer)  # one per rollout: its turns repeat the same windows
-    env_seconds = 0.0
-    with_policy_logprobs = return_logprobs  # while every turn's engine call gave them (lean, transformers)
-
     started = time.perf_counter()
     trajectories = []
     rendered = False  # an environment chose a trajectory's prompt: its tools listed, or reset's text inside
@@ -267,122 +225,70 @@ def _generate(
         prompt = prompt_ids[b][prompt_mask[b].bool()].tolist()
         row = {name: values[b] for name, values in rows.items()}
         for _ in range(group):
-            trajectory = _Trajectory(environment.spawn(), prompt, row["prompt"], None if vision is None else vision[b])
-            first = trajectory.env.reset(row)
-            own, tools = trajectory.env.trajectory_prompt(row["prompt"]), trajectory.env.prompt_tools(row)
-            if tools or own is not row["prompt"]:
-                # A vision-language model's: its images' tokens too, and image inputs that know this prompt (vLLM
-                # is given it unexpanded); a text model's: the ids alone (its inputs None: the row's kept).
-                trajectory.prompt, inputs = encoder.trajectory_inputs(own, tools, row)
-                trajectory.vision = trajectory.vision if inputs is None else inputs
-                trajectory.source, rendered = own, True
-            if first:
-                observed = observation_ids(environment, first, tokenizer)
-                trajectory.append(observed, policy=False)
-                trajectory.segments.append(tokenizer.decode(observed))
-                if len(observed) >= total_limit:  # no room for a turn
-                    trajectory.active, trajectory.truncated = False, True
+            trajectory = Trajectory(environment.spawn(), prompt, row["prompt"], None if vision is None else vision[b])
+            rendered |= start_trajectory(trajectory, row, environment, encoder, params.max_new_tokens)
             trajectories.append(trajectory)
-    env_seconds += time.perf_counter() - started
+    env_seconds = time.perf_counter() - started
     pad = tokenizer.pad_token_id
     # A group samples its first turn with one prefill while its trajectories share their prompt (a deterministic
     # reset); a prompt of a trajectory's own is sampled on its own, as later turns are.
     grouped = all(t.prompt == trajectories[i - i % group].prompt for i, t in enumerate(trajectories))
     if rendered and grouped:
         prompt_ids, prompt_mask = left_padded([t.prompt for t in trajectories[::group]], pad, device)
-
-    called: list[_Trajectory] = []  # the rows of the engine's last call, whose keys and values it keeps
-    for turn in range(environment.max_turns):
-        active = [t for t in trajectories if t.active]
-        if not active:
-            break
-        limits = [min(turn_limit, total_limit - len(t.ids)) for t in active]
-        turn_params = params.with_(max_new_tokens=max(limits), stop_sequences=stop_ids)
-        continuing: dict[str, Any] = {}
-        if session is not None:  # the trajectories that go on keep their cache; only their new tokens are prefilled
-            session.select([i for i, t in enumerate(called) if t.active])
-            continuing, called = {"session": session}, active
-        if turn == 0 and grouped and not any(t.ids for t in trajectories):
-            # All trajectories of a group share their context: the engine's group sampling, one prefill per prompt.
-            continuing.update({} if vision is None else {"vision": [t.vision for t in trajectories[::group]]})
-            out = engine.generate(
-                prompt_ids, prompt_mask, turn_params, generator=generator, return_logprobs=return_logprobs, **continuing
-            )
-        else:
-            ids, mask = left_padded([t.prompt + t.ids for t in active], pad, device)
-            continuing.update({} if vision is None else {"vision": [t.vision for t in active]})  # their images
-            out = engine.generate(
-                ids,
-                mask,
-                turn_params.with_(group_size=1, min_new_tokens=0),
-                generator=generator,
-                return_logprobs=return_logprobs,
-                **continuing,
-            )
-        lengths = out.completion_mask.sum(-1).tolist()
-        generated = out.completion_ids.tolist()
-        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
-        policy_logprobs = out.policy_logprobs.tolist() if out.policy_logprobs is not None else None
-        with_policy_logprobs = with_policy_logprobs and policy_logprobs is not None
-        sampled = []  # each active trajectory's turn: (trajectory, text, ended, stopped), stepped together below
-        for i, (trajectory, limit) in enumerate(zip(active, limits)):
-            ids = generated[i][: min(lengths[i], limit)]
-            ids = ids[: next((k + 1 for k, token in enumerate(ids) if token in ends), len(ids))]  # its first end
-            cut, found = scanner.find(ids)
-            ids = ids[:cut]
-            ended = bool(ids) and ids[-1] in ends
-            stopped = found and not ended  # cut right after its stop text
-            text = tokenizer.decode(ids, skip_special_tokens=True)
-            trajectory.append(
-                ids,
-                policy=True,
-                logprobs=logprobs[i][: len(ids)] if logprobs else None,
-                policy_logprobs=policy_logprobs[i][: len(ids)] if policy_logprobs else None,
-            )
-            trajectory.segments.append(text)
-            trajectory.final_text, trajectory.turns = text, trajectory.turns + 1
-            sampled.append((trajectory, text, ended, stopped))
-        start = time.perf_counter()
-        steps = step_environments([t[0].env for t in sampled], [t[1] for t in sampled], environment.max_concurrency)
-        env_seconds += time.perf_counter() - start
-        going: list[tuple[_Trajectory, str | None]] = []  # trajectories that go on, and their observations
-        for (trajectory, _, ended, stopped), step in zip(sampled, steps):
-            for name, value in step.rewards.items():
-                trajectory.rewards[name] = trajectory.rewards.get(name, 0.0) + float(value)
-            for name, value in step.metrics.items():
-                trajectory.metrics[name] = trajectory.metrics.get(name, 0.0) + float(value)
-            if not ended and not stopped:  # cut by a length limit: the policy did not finish its turn
-                trajectory.active, trajectory.truncated = False, True
-                continue
-            if step.done or turn + 1 == environment.max_turns:  # the final answer, or out of turns
-                trajectory.active = False
-                continue
-            going.append((trajectory, step.observation))
-        observed_ids = iter(observations_ids(environment, [text for _, text in going if text], tokenizer))
-        for trajectory, text in going:  # the turn's observations tokenized in one call
-            observed = next(observed_ids) if text else []
-            if len(trajectory.ids) + len(observed) >= total_limit:  # no room for the answer and a next turn
-                trajectory.active, trajectory.truncated = False, True
-                continue
-            trajectory.append(observed, policy=False)
-            trajectory.segments.append(tokenizer.decode(observed))
+    group_vision = None if vision is None else [t.vision for t in trajectories[::group]]
+    loop = turn_loop(
+        engine, environment, tokenizer, params, generator=generator, return_logprobs=return_logprobs, device=device,
+        session=session,
+    )  # fmt: skip
+    group_prompts = (prompt_ids, prompt_mask, group_vision) if grouped else None
+    with_policy_logprobs, stepped = run_turns(trajectories, loop, group_prompts=group_prompts)
+    env_seconds += stepped
     start = time.perf_counter()
     for trajectory in trajectories:  # what the environment scores once per trajectory (TRL's get_reward)
-        for name, value in trajectory.env.final_rewards().items():
-            trajectory.rewards[name] = trajectory.rewards.get(name, 0.0) + float(value)
+        add_final_rewards(trajectory)
     env_seconds += time.perf_counter() - start
     if rendered:  # each trajectory's own prompt
         prompt_ids, prompt_mask = left_padded([t.prompt for t in trajectories], pad, device)
     else:
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(group, 0), prompt_mask.repeat_interleave(group, 0)
     logprob_kinds = (return_logprobs, with_policy_logprobs)
-    assembled = _assemble(trajectories, prompt_ids, prompt_mask, pad, env_seconds, device, logprob_kinds)
+    assembled = assemble(trajectories, prompt_ids, prompt_mask, pad, env_seconds, device, logprob_kinds)
     assembled.vision = None if vision is None else [t.vision for t in trajectories]
     return assembled
 
 
-def _assemble(
-    trajectories: list[_Trajectory],
+def start_trajectory(
+    trajectory: Trajectory, row: dict[str, Any], environment: TurnEnvironment, encoder: PromptEncoder, limit: int
+) -> bool:
+    """``reset`` the trajectory's environment on ``row``; the prompt it chose (its tools listed, or reset's text
+    inside) rendered, and its first observation appended (the trajectory ends truncated when that leaves no room
+    for a turn within ``limit`` tokens). Returns whether the environment chose the prompt."""
+    tokenizer = encoder.tokenizer
+    first = trajectory.env.reset(row)
+    own, tools = trajectory.env.trajectory_prompt(row["prompt"]), trajectory.env.prompt_tools(row)
+    if tools or own is not row["prompt"]:
+        # A vision-language model's: its images' tokens too, and image inputs that know this prompt (vLLM is given
+        # it unexpanded); a text model's: the ids alone (its inputs None: the row's kept).
+        trajectory.prompt, inputs = encoder.trajectory_inputs(own, tools, row)
+        trajectory.vision = trajectory.vision if inputs is None else inputs
+        trajectory.source = own
+    if first:
+        observed = observation_ids(environment, first, tokenizer)
+        trajectory.append(observed, policy=False)
+        trajectory.segments.append(tokenizer.decode(observed))
+        if len(observed) >= limit:  # no room for a turn
+            trajectory.active, trajectory.truncated = False, True
+    return bool(tools) or own is not row["prompt"]
+
+
+def add_final_rewards(trajectory: Trajectory) -> None:
+    """What the environment scores once per trajectory when it has ended (TRL's ``get_reward``)."""
+    for name, value in trajectory.env.final_rewards().items():
+        trajectory.rewards[name] = trajectory.rewards.get(name, 0.0) + float(value)
+
+
+def assemble(
+    trajectories: list[Trajectory],
     prompt_ids: Tensor,
     prompt_mask: Tensor,
     pad_token_id: int,

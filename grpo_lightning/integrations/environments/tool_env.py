@@ -15,10 +15,18 @@ Time limit: ``timeout_s`` interrupts the tool with ``SIGALRM`` (``rewards/combin
 Python code, not a long C call, and only in the main thread (where rollouts run); the ``python`` tool's sandbox has
 its own wall clock, bounded by ``timeout_s``, and kills its processes however the call ends. Untrusted code
 belongs in ``python``, not in a user function.
+
+Concurrency: ``max_concurrency`` > 1 runs the calls of a turn's trajectories at once in threads (for tools that wait
+on I/O: a network call, a service), their results in the trajectories' order (``turn_loop.step_environments``), so
+the same answers as one at a time. A call in a thread cannot be interrupted: past ``timeout_s`` it is answered
+``error: timed out`` and left to finish in its own daemon thread, its result unused. With partial rollouts whose
+``tokens_per_push`` is below ``max_new_tokens`` every call runs in a thread (``partial_turns.py``: the segments do
+not wait for it; ``steps_in_threads``), ``max_concurrency`` of them at once, timed out so.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +37,7 @@ from grpo_lightning.integrations.environments.chat_formats import tool_format
 from grpo_lightning.integrations.environments.formats import TagFormat, ToolFormat
 from grpo_lightning.integrations.environments.tools import PythonTool, Tool, ToolBroken, resolve_tool
 from grpo_lightning.integrations.sandbox.sandbox import SandboxError
-from grpo_lightning.rewards.combine import TimeLimitExceeded, time_limit
+from grpo_lightning.rewards.combine import TimeLimitExceeded, alarm_available, time_limit
 
 # The longest cut the setup message makes room for in the full marker: a result of up to a billion characters.
 _LARGEST_CUT = 999_999_999
@@ -54,6 +62,7 @@ class ToolEnvironment(Environment):
     """Tools by name (``calculator``, ``python``, ``pkg.module:fn``), called in the format of ``format``."""
 
     shared = (*Environment.shared, "tools", "format")  # stateless: every trajectory's copy uses the same
+    steps_in_threads = True  # a call in a thread is timed out by ``_call``'s own thread, not SIGALRM
 
     def __init__(
         self,
@@ -64,6 +73,7 @@ class ToolEnvironment(Environment):
         max_turns: int = 4,
         max_turn_tokens: int | None = None,
         max_observation_tokens: int = 64,
+        max_concurrency: int = 1,
     ) -> None:
         """
         Args:
@@ -76,8 +86,15 @@ class ToolEnvironment(Environment):
             max_turns: policy turns per trajectory at most.
             max_turn_tokens: tokens per policy turn; None = ``data.sampling.max_new_tokens``.
             max_observation_tokens: tokens of one observation at most: the result is cut to fit inside its frame.
+            max_concurrency: calls run at once in threads, one per trajectory of a turn (tools that wait on I/O);
+                1: one at a time in the rollout's thread, interrupted at ``timeout_s`` (see the module docstring).
         """
         super().__init__(max_turns, max_turn_tokens, max_observation_tokens)
+        if type(max_concurrency) is not int or max_concurrency < 1:
+            raise ConfigError(
+                f"data.environment.init_args.max_concurrency must be an integer >= 1 (got {max_concurrency!r})"
+            )
+        self.max_concurrency = max_concurrency
         if timeout_s <= 0:
             raise ConfigError(f"data.environment.init_args.timeout_s must be > 0 (got {timeout_s})")
         if max_result_chars < 1:
@@ -120,8 +137,7 @@ class ToolEnvironment(Environment):
         if tool is None:
             return f"unknown tool {name!r}; tools: {', '.join(self.tools)}", True
         try:
-            with time_limit(self.timeout_s):
-                value = tool(argument)
+            value = self._call(tool, argument)
         except TimeLimitExceeded:
             return f"timed out after {self.timeout_s:g}s", True
         except (ToolBroken, SandboxError) as err:
@@ -132,6 +148,30 @@ class ToolEnvironment(Environment):
         if not isinstance(value, str):
             return f"the tool returned {type(value).__name__}, not text", True
         return value, False
+
+    def _call(self, tool: Tool, argument: str) -> Any:
+        """``tool(argument)`` within ``timeout_s``: interrupted by ``SIGALRM`` in the main thread; in a thread of
+        ``max_concurrency``, waited for at most ``timeout_s`` in a daemon thread of its own, then abandoned."""
+        if alarm_available():
+            with time_limit(self.timeout_s):
+                return tool(argument)
+        outcome: list[Any] = []
+
+        def call() -> None:
+            try:
+                outcome.append((True, tool(argument)))
+            except BaseException as err:  # noqa: BLE001 - raised in the waiting thread below
+                outcome.append((False, err))
+
+        runner = threading.Thread(target=call, daemon=True, name="tool-call")
+        runner.start()
+        runner.join(self.timeout_s)
+        if not outcome:
+            raise TimeLimitExceeded(self.timeout_s, None)
+        returned, value = outcome[0]
+        if not returned:
+            raise value
+        return value
 
 
 def final_answer() -> Step:

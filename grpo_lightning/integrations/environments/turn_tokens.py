@@ -24,6 +24,8 @@ class TurnEnvironment(Protocol):
     max_turn_tokens: int | None
     max_observation_tokens: int
     max_concurrency: int
+    replays_exactly: bool
+    steps_in_threads: bool
 
     @property
     def stop_texts(self) -> tuple[str, ...]: ...
