@@ -158,6 +158,12 @@ class ScheduleConfig:
         return self.tokens_per_push if self.tokens_per_push is not None else max(1, -(-max_new_tokens // 4))
 
 
+def pushes_per_sequence(max_new_tokens: int, tokens_per_push: int) -> int:
+    """The weight pushes a longest sequence spans with partial rollouts: ⌈max_new_tokens / tokens_per_push⌉ (the pool's
+    size in rounds, and the least ``max_staleness`` that admits it)."""
+    return -(-max_new_tokens // tokens_per_push)
+
+
 @dataclass
 class ObjectiveConfig:
     """The GRPO loss and its variants (``model.objective``); names match ``grpo_lightning.losses.grpo_loss``'s

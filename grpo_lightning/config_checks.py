@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from grpo_lightning.config import ConfigError, SamplingConfig, ScheduleConfig, UpdateConfig
+from grpo_lightning.config import ConfigError, SamplingConfig, ScheduleConfig, UpdateConfig, pushes_per_sequence
 from grpo_lightning.update_plan import UpdatePlan, plan_update
 
 if TYPE_CHECKING:
@@ -217,7 +217,7 @@ def check_partial_rollouts(
         )
     # (their ranges, integers >= 1: SETTING_RANGES, checked when the config is read)
     budget = schedule.segment_tokens(sampling.max_new_tokens)
-    pushes = -(-sampling.max_new_tokens // budget)
+    pushes = pushes_per_sequence(sampling.max_new_tokens, budget)
     spanned = pushes if environment is None else environment.pushes_spanned(sampling.max_new_tokens, budget)
     if schedule.max_staleness < spanned:
         turns = "" if spanned == pushes else f" (+ {spanned - pushes}: its environment steps, collected a push later)"

@@ -25,7 +25,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
-from grpo_lightning.config import ConfigError
+from grpo_lightning.config import ConfigError, pushes_per_sequence
 
 if TYPE_CHECKING:
     import torch
@@ -136,7 +136,7 @@ class RolloutKind(ABC):
     def pushes_spanned(self, max_new_tokens: int, tokens_per_push: int) -> int:
         """The most weight pushes one of its rollouts spans with partial rollouts (what ``max_staleness`` must cover,
         checked before training): ⌈max_new_tokens / tokens_per_push⌉, a sequence's."""
-        return -(-max_new_tokens // tokens_per_push)
+        return pushes_per_sequence(max_new_tokens, tokens_per_push)
 
     def score_segment(
         self,

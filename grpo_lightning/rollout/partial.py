@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo_lightning.config import SamplingConfig, ScheduleConfig
+from grpo_lightning.config import SamplingConfig, ScheduleConfig, pushes_per_sequence
 from grpo_lightning.engines.base import Completions, RolloutEngine, SamplingParams
 from grpo_lightning.engines.continuation import real_tokens
 from grpo_lightning.rewards.scorer import Scorer
@@ -85,7 +85,7 @@ class PartialSettings:
 def pool_size(groups_per_round: int, max_new_tokens: int, tokens_per_push: int) -> int:
     """The groups a pool keeps in flight or waiting (``PartialSettings.pool_groups``): N × the pushes a longest
     sequence spans."""
-    return groups_per_round * -(-max_new_tokens // tokens_per_push)
+    return groups_per_round * pushes_per_sequence(max_new_tokens, tokens_per_push)
 
 
 @dataclass
@@ -140,7 +140,7 @@ class Pool:
 def pool_from_plain(plain: dict[str, Any]) -> Pool:
     """A ``Pool`` from ``asdict(pool)`` (what a checkpoint holds)."""
     groups = [
-        Group(g["number"], dict(g["row"]), list(g["prompt"]), [Sample(**{"state": {}, **s}) for s in g["samples"]])
+        Group(g["number"], dict(g["row"]), list(g["prompt"]), [Sample(**s) for s in g["samples"]])
         for g in plain.get("groups", [])
     ]
     return Pool(groups, [dict(r) for r in plain.get("requeued", [])], int(plain.get("drawn", 0)))
@@ -234,19 +234,16 @@ def run_segment(
     timings["generate"] = time.perf_counter() - start
     finished = [g for g in pool.groups if g.done]  # 3. score the groups that ended, in pool order
     pool.groups = [g for g in pool.groups if not g.done]
-    if not finished:
-        return _counted(None, timings, counters)
-    if kind.multi_turn:
-        batch = kind.score_segment(
-            finished, encoder=encoder, scorer=scorer, params=params, device=device, held=held, timings=timings
+    ready = None
+    if finished:
+        batch = (
+            kind.score_segment(
+                finished, encoder=encoder, scorer=scorer, params=params, device=device, held=held, timings=timings
+            )
+            if kind.multi_turn
+            else _scored(finished, params, encoder, scorer, pad, device, timings)
         )
-    else:
-        batch = _scored(finished, params, encoder, scorer, pad, device, timings)
-    return _counted(_ready(finished, batch, pad, timings, plan.version), timings, counters)
-
-
-def _counted(ready: ReadyGroups | None, timings: dict[str, float], counters: dict[str, float] | None) -> Any:
-    """``ready``, once a segment's ``timings`` are added to ``counters`` (None: not counted)."""
+        ready = _ready(finished, batch, pad, timings, plan.version)
     for phase, seconds in timings.items() if counters is not None else ():
         counters[phase] = counters.get(phase, 0.0) + seconds
     return ready

@@ -12,23 +12,19 @@ import threading
 import time
 
 import pytest
-import torch
 from test_partial_multiturn import (
     PROMPTS,
-    SCORER,
-    TOKENIZER,
     CountingCalculator,
     ScriptedPolicy,
     Stream,
     partial_settings,
-    round_settings,
+    segment,
 )
 
 from grpo_lightning.config import ConfigError, SamplingConfig, ScheduleConfig
 from grpo_lightning.config_checks import check_partial_rollouts
 from grpo_lightning.integrations.environments import Step, ToolEnvironment
-from grpo_lightning.rollout.partial import Pool, SegmentPlan, run_segment
-from grpo_lightning.rollout.prompts import PromptEncoder
+from grpo_lightning.rollout.partial import Pool
 
 GATE = threading.Event()
 
@@ -66,19 +62,7 @@ def calculator(argument: str) -> str:
 
 def run(pool, engine, stream, environment, partial, index, held, counters=None):
     """Segment ``index`` under version ``index`` (its seed too)."""
-    engine.version = index
-    return run_segment(
-        pool,
-        SegmentPlan(index, index, 0, partial),
-        next_rows=stream.next_rows,
-        engine=engine,
-        encoder=PromptEncoder(TOKENIZER),
-        scorer=SCORER,
-        settings=round_settings(environment),
-        generator=torch.Generator().manual_seed(index),
-        held=held,
-        counters=counters,
-    )
+    return segment(pool, engine, stream, environment, partial, index, index, held=held, counters=counters)
 
 
 def samples_of(pool):

@@ -159,7 +159,7 @@ def partial_settings(n: int = 2, budget: int = 16, staleness: int = 12) -> Parti
 SCORER = Scorer([RewardSpec("partial_multiturn_length")])
 
 
-def segment(pool, engine, stream, environment, partial, index, version, waiting=0, held=None):
+def segment(pool, engine, stream, environment, partial, index, version, waiting=0, held=None, counters=None):
     engine.version = version
     return run_segment(
         pool,
@@ -171,6 +171,7 @@ def segment(pool, engine, stream, environment, partial, index, version, waiting=
         settings=round_settings(environment),
         generator=torch.Generator().manual_seed(index),
         held=held,
+        counters=counters,
     )
 
 

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from grpo_lightning.config import ConfigError
+from grpo_lightning.config import ConfigError, pushes_per_sequence
 from grpo_lightning.engines.base import RolloutEngine, SamplingParams
 from grpo_lightning.integrations.environments.multiturn import (
     add_final_rewards,
@@ -90,7 +90,7 @@ def pushes_spanned(environment: TurnEnvironment, max_new_tokens: int, budget: in
     """The most weight pushes one trajectory spans (what ``max_staleness`` must cover): a turn of n model tokens
     spans ⌈n / budget⌉ segments, each turn starts a segment when its steps run in the background, and one more
     collects the last step, so ⌈max_new_tokens / budget⌉ + ``max_turns``; ⌈max_new_tokens / budget⌉ otherwise."""
-    pushes = -(-max_new_tokens // budget)
+    pushes = pushes_per_sequence(max_new_tokens, budget)
     return pushes + environment.max_turns if steps_in_background(environment, budget, max_new_tokens) else pushes
 
 
